@@ -1,0 +1,23 @@
+# The two commands of the README: `make demo` runs the main job on the default model, `make test` the tests.
+CARGO ?= cargo
+
+.PHONY: model build demo test lint bench
+
+model:
+	./scripts/fetch-model.sh
+
+build:
+	$(CARGO) build --release
+
+demo: model build
+	./target/release/probespec "What is the capital of France?"
+
+test: model
+	$(CARGO) test --release
+
+lint:
+	$(CARGO) fmt --check
+	$(CARGO) clippy --all-targets -- -D warnings
+
+bench: model
+	$(CARGO) bench

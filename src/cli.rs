@@ -1,0 +1,332 @@
+//! Command-line interface: argument parsing and wiring only.
+
+use crate::decode::ar::Autoregressive;
+use crate::decode::esp::{Esp, EspConfig, MaskInit, TreeShape};
+use crate::decode::generate::{generate, Drafter, GenerateParams};
+use crate::decode::sampling::SamplingParams;
+use crate::decode::tree::node_budget;
+use crate::model::load::LoadOptions;
+use crate::model::{load_model, LoadedModel, ModelSource};
+use crate::tokenizer::{Message, StreamDecoder, TextTokenizer};
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::io::{Read, Write};
+
+#[derive(Parser, Debug)]
+#[command(name = "probespec", version, about = "Faster lossless generation from a frozen LLM by embedding-space probing")]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    generate: GenerateArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a reply to a prompt (the default command).
+    Generate(GenerateArgs),
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// HF checkpoint folder, GGUF file, or hub id (e.g. Qwen/Qwen3-0.6B). Default: SmolLM2-135M-Instruct GGUF.
+    #[arg(long, short = 'm')]
+    pub model: Option<String>,
+    #[arg(long, value_enum, default_value_t = DeviceArg::Cpu)]
+    pub device: DeviceArg,
+    /// Weight and activation dtype (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum)]
+    pub dtype: Option<DTypeArg>,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DTypeArg {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MethodArg {
+    Ar,
+    Esp,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TreeArg {
+    Dynamic,
+    Static,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskInitArg {
+    Mean,
+    Normal,
+    Last,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct MethodArgs {
+    /// Decoding method.
+    #[arg(long, value_enum, default_value_t = MethodArg::Esp)]
+    pub method: MethodArg,
+    /// Block complexity: tokens per forward pass, masks included, (k+1)(1 + sum K_i).
+    #[arg(long, default_value_t = 30)]
+    pub bc: usize,
+    /// Mask tokens per tree node (k).
+    #[arg(long, default_value_t = 1)]
+    pub masks: usize,
+    #[arg(long, value_enum, default_value_t = TreeArg::Dynamic)]
+    pub tree: TreeArg,
+    /// Explicit static tree: candidates per depth, e.g. 15,4 (implies --tree static; overrides --bc).
+    #[arg(long, value_delimiter = ',')]
+    pub branches: Option<Vec<usize>>,
+    #[arg(long, value_enum, default_value_t = MaskInitArg::Mean)]
+    pub mask_init: MaskInitArg,
+    /// Mask update rate: m <- m + lambda (e - m) per committed token.
+    #[arg(long, default_value_t = 0.1)]
+    pub mask_lambda: f32,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// The prompt; read from stdin when absent or "-".
+    pub prompt: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub method: MethodArgs,
+    /// System message for the chat template.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Feed the prompt verbatim instead of through the model's chat template.
+    #[arg(long)]
+    pub no_chat_template: bool,
+    #[arg(long, default_value_t = 256)]
+    pub max_new_tokens: usize,
+    /// 0 = greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
+    #[arg(long, default_value_t = 299792458)]
+    pub seed: u64,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Entry point: returns the process exit code. Errors are one line on stderr.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return 0;
+            }
+            let text = e.to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("invalid arguments"));
+            return 2;
+        }
+    };
+    let result = match cli.command {
+        Some(Command::Generate(args)) => run_generate(&args),
+        None => run_generate(&cli.generate),
+    };
+    match result {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            1
+        }
+    }
+}
+
+pub fn select_device(d: DeviceArg) -> Result<Device> {
+    match d {
+        DeviceArg::Cpu => Ok(Device::Cpu),
+        DeviceArg::Cuda => {
+            if !candle_core::utils::cuda_is_available() {
+                bail!("CUDA is not available: this binary was built without the `cuda` feature or no GPU was found");
+            }
+            Ok(Device::new_cuda(0)?)
+        }
+        DeviceArg::Metal => {
+            if !candle_core::utils::metal_is_available() {
+                bail!("Metal is not available: this binary was built without the `metal` feature");
+            }
+            Ok(Device::new_metal(0)?)
+        }
+    }
+}
+
+pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
+    let device = select_device(args.device)?;
+    let dtype = match args.dtype {
+        Some(DTypeArg::F32) => DType::F32,
+        Some(DTypeArg::F16) => DType::F16,
+        Some(DTypeArg::Bf16) => DType::BF16,
+        None if device.is_cpu() => DType::F32,
+        None => DType::BF16,
+    };
+    let source = ModelSource::resolve(args.model.as_deref())?;
+    load_model(&source, &LoadOptions { device, dtype })
+}
+
+/// Builds the drafter a method's flags describe.
+pub fn make_drafter(m: &MethodArgs, seed: u64) -> Result<Box<dyn Drafter>> {
+    Ok(match m.method {
+        MethodArg::Ar => Box::new(Autoregressive),
+        MethodArg::Esp => {
+            if !(0.0..=1.0).contains(&m.mask_lambda) {
+                bail!("--mask-lambda must be in [0, 1] (got {})", m.mask_lambda);
+            }
+            let tree = match (&m.branches, m.tree) {
+                (Some(b), _) => TreeShape::Static { branches: b.clone() },
+                (None, TreeArg::Dynamic) => TreeShape::Dynamic { budget: budget(m)? },
+                (None, TreeArg::Static) => TreeShape::Static { branches: default_branches(budget(m)?, m.masks) },
+            };
+            let init = match m.mask_init {
+                MaskInitArg::Mean => MaskInit::Mean,
+                MaskInitArg::Normal => MaskInit::Normal,
+                MaskInitArg::Last => MaskInit::Last,
+            };
+            Box::new(Esp::new(EspConfig { masks: m.masks, tree, lambda: m.mask_lambda, init, seed })?)
+        }
+    })
+}
+
+fn budget(m: &MethodArgs) -> Result<usize> {
+    if !(1..=3).contains(&m.masks) {
+        bail!("--masks must be 1, 2 or 3 (got {})", m.masks);
+    }
+    node_budget(m.bc, m.masks).map_err(|e| anyhow::anyhow!(e))
+}
+
+/// A static shape for a node budget: the paper's proportions (BC 30, k=2: [7, 2]; BC 60, k=2: [15, 4]).
+pub fn default_branches(budget: usize, k: usize) -> Vec<usize> {
+    if k == 1 || budget < k {
+        return vec![budget.max(1)];
+    }
+    let deeper = ((budget as f32 / 5.0).round() as usize).max(1);
+    let mut b = vec![budget.saturating_sub(deeper * (k - 1)).max(1)];
+    b.extend(std::iter::repeat_n(deeper, k - 1));
+    b
+}
+
+/// The prompt text: the argument, or stdin when absent or "-".
+fn read_prompt(arg: Option<&str>) -> Result<String> {
+    match arg {
+        Some(p) if p != "-" => Ok(p.to_string()),
+        _ => {
+            let mut buf = Vec::new();
+            std::io::stdin().read_to_end(&mut buf).context("cannot read stdin")?;
+            String::from_utf8(buf).map_err(|e| anyhow::anyhow!("stdin is not valid UTF-8 (byte {})", e.utf8_error().valid_up_to()))
+        }
+    }
+}
+
+/// Prompt text -> token ids, through the chat template unless disabled.
+pub fn encode_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat: bool) -> Result<Vec<u32>> {
+    if text.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
+    let rendered = if chat {
+        let mut messages = Vec::new();
+        if let Some(s) = system {
+            messages.push(Message { role: "system".into(), content: s.into() });
+        }
+        messages.push(Message { role: "user".into(), content: text.into() });
+        tok.apply_chat_template(&messages, true)?
+    } else {
+        text.to_string()
+    };
+    let ids = tok.encode(&rendered)?;
+    if ids.is_empty() {
+        bail!("the prompt is empty after tokenisation");
+    }
+    Ok(ids)
+}
+
+fn check_sampling(a: &GenerateArgs) -> Result<SamplingParams> {
+    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
+        bail!("--temperature must be >= 0 (got {})", a.temperature);
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1] (got {})", a.top_p);
+    }
+    if a.max_new_tokens == 0 {
+        bail!("--max-new-tokens must be at least 1");
+    }
+    Ok(SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed })
+}
+
+fn run_generate(a: &GenerateArgs) -> Result<()> {
+    let sampling = check_sampling(a)?;
+    let mut drafter = make_drafter(&a.method, a.seed)?;
+    let text = read_prompt(a.prompt.as_deref())?;
+    if text.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
+    let LoadedModel { model, tokenizer, .. } = load(&a.model)?;
+    let prompt = encode_prompt(&tokenizer, &text, a.system.as_deref(), !a.no_chat_template)?;
+    let params = GenerateParams {
+        max_new_tokens: a.max_new_tokens,
+        sampling,
+        stop_tokens: tokenizer.stop_tokens().to_vec(),
+    };
+    let mut stream = StreamDecoder::new(&tokenizer);
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    let json = a.json;
+    let result = generate(&model, &prompt, drafter.as_mut(), &params, &mut |t| {
+        if !json {
+            if let Some(s) = stream.push(t)? {
+                out.write_all(s.as_bytes())?;
+                out.flush()?;
+            }
+        }
+        Ok(())
+    });
+    let g = match result {
+        Ok(g) => g,
+        Err(e) => {
+            if !json {
+                let _ = writeln!(out);
+            }
+            return Err(e);
+        }
+    };
+    if json {
+        let v = serde_json::json!({
+            "text": tokenizer.decode(&g.tokens)?,
+            "token_ids": g.tokens,
+            "prompt_token_ids": prompt,
+            "finish_reason": g.finish_reason,
+            "stats": g.stats,
+        });
+        writeln!(out, "{v}")?;
+    } else {
+        if let Some(s) = stream.finish()? {
+            out.write_all(s.as_bytes())?;
+        }
+        writeln!(out)?;
+        out.flush()?;
+        eprintln!("{}", g.stats.summary_line(prompt.len()));
+    }
+    Ok(())
+}

@@ -1,0 +1,173 @@
+//! ESP, Embedding-Space Probing (ESP.md): k mask vectors made from the mean of the prompt's embeddings are
+//! appended to every tree node; mask j of a node sits j positions after it, so its logits guess the token
+//! j + 1 places after that node. The masks of the deepest accepted node seed the next step's tree.
+
+use super::generate::{Draft, Drafter};
+use super::sampling::top_candidates;
+use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe};
+use crate::model::Transformer;
+use anyhow::{bail, Result};
+use candle_core::{DType, Tensor};
+use rand::{rngs::StdRng, SeedableRng};
+use rand_distr::{Distribution, Normal};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MaskInit {
+    /// Mean of the prompt's input embeddings (the paper's best).
+    Mean,
+    /// A draw from N(mean, var) of the embedding table, per dimension.
+    Normal,
+    /// The last k prompt embeddings (the paper's worst).
+    Last,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TreeShape {
+    /// ESP Algorithm 1: best-first by cumulative probability within `budget` nodes (sum K_i).
+    Dynamic { budget: usize },
+    /// K_i candidates at depth i, only the top-1 node of each depth expanded.
+    Static { branches: Vec<usize> },
+}
+
+impl TreeShape {
+    pub fn node_budget(&self) -> usize {
+        match self {
+            TreeShape::Dynamic { budget } => *budget,
+            TreeShape::Static { branches } => branches.iter().sum(),
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct EspConfig {
+    /// Masks per node (k).
+    pub masks: usize,
+    pub tree: TreeShape,
+    pub lambda: f32,
+    pub init: MaskInit,
+    pub seed: u64,
+}
+
+/// The k mask vectors, updated towards every committed token's embedding: m <- m + lambda (e - m).
+pub struct MaskEmbedding {
+    vectors: Vec<Vec<f32>>,
+    lambda: f32,
+}
+
+impl MaskEmbedding {
+    pub fn new(model: &Transformer, prompt: &[u32], k: usize, init: MaskInit, lambda: f32, seed: u64) -> Result<Self> {
+        let emb = model.embed(prompt)?.to_dtype(DType::F32)?;
+        let vectors = match init {
+            MaskInit::Mean => vec![emb.mean(0)?.to_vec1::<f32>()?; k],
+            MaskInit::Last => {
+                let rows = emb.to_vec2::<f32>()?;
+                (0..k).map(|j| rows[rows.len().saturating_sub(k) + j.min(rows.len() - 1)].clone()).collect()
+            }
+            MaskInit::Normal => {
+                let table = model.embed_tokens.to_dtype(DType::F32)?;
+                let mean = table.mean(0)?;
+                let var = table.broadcast_sub(&mean)?.sqr()?.mean(0)?;
+                let (mean, var) = (mean.to_vec1::<f32>()?, var.to_vec1::<f32>()?);
+                let mut rng = StdRng::seed_from_u64(seed);
+                let v: Vec<f32> = mean
+                    .iter()
+                    .zip(&var)
+                    .map(|(&m, &s2)| Normal::new(m, s2.sqrt().max(1e-12)).map(|n| n.sample(&mut rng)).unwrap_or(m))
+                    .collect();
+                vec![v; k]
+            }
+        };
+        Ok(MaskEmbedding { vectors, lambda })
+    }
+
+    pub fn update(&mut self, e: &[f32]) {
+        for m in &mut self.vectors {
+            for (mi, &ei) in m.iter_mut().zip(e) {
+                *mi += self.lambda * (ei - *mi);
+            }
+        }
+    }
+
+    pub fn vector(&self, j: usize) -> &[f32] {
+        &self.vectors[j]
+    }
+}
+
+pub struct Esp {
+    cfg: EspConfig,
+    masks: Option<MaskEmbedding>,
+    /// Candidates for depth d + 1 of the next tree, from mask d + 1 of the last deepest accepted node.
+    dists: Vec<Candidates>,
+}
+
+impl Esp {
+    pub fn new(cfg: EspConfig) -> Result<Self> {
+        if !(1..=3).contains(&cfg.masks) {
+            bail!("--masks must be 1, 2 or 3 (got {})", cfg.masks);
+        }
+        if let TreeShape::Static { branches } = &cfg.tree {
+            if branches.is_empty() || branches.len() > cfg.masks || branches.contains(&0) {
+                bail!(
+                    "--branches {:?} needs 1..={} positive entries (one per mask depth)",
+                    branches,
+                    cfg.masks
+                );
+            }
+        }
+        Ok(Esp { cfg, masks: None, dists: Vec::new() })
+    }
+
+    fn candidates_needed(&self) -> usize {
+        // Room for the parent-equal and duplicate skips.
+        self.cfg.tree.node_budget() + 2
+    }
+}
+
+impl Drafter for Esp {
+    fn name(&self) -> String {
+        "esp".into()
+    }
+
+    fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
+        let c = &self.cfg;
+        self.masks = Some(MaskEmbedding::new(model, prompt, c.masks, c.init, c.lambda, c.seed)?);
+        self.dists.clear();
+        Ok(c.masks)
+    }
+
+    fn draft(&mut self, root: u32, _history: &[u32], max_rows: usize) -> Draft {
+        if self.dists.is_empty() {
+            return Draft::root_only(root);
+        }
+        let tree = match &self.cfg.tree {
+            TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
+            TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
+        };
+        if tree.len() * (self.cfg.masks + 1) > max_rows {
+            return Draft::root_only(root);
+        }
+        let probes = esp_probes(tree.len(), self.cfg.masks);
+        Draft { tree, probes }
+    }
+
+    fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
+        let masks = self.masks.as_ref().expect("begin() runs before probe_inputs()");
+        let d = model.config.hidden_size;
+        let mut data = Vec::with_capacity(probes.len() * d);
+        for p in probes {
+            data.extend_from_slice(masks.vector(p.offset - 1));
+        }
+        Ok(Tensor::from_vec(data, (probes.len(), d), &model.device)?)
+    }
+
+    fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
+        let emb = model.embed(committed)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let masks = self.masks.as_mut().expect("begin() runs before observe()");
+        for e in &emb {
+            masks.update(e);
+        }
+        let n = self.candidates_needed();
+        self.dists = probe_logits.iter().map(|row| top_candidates(row, n)).collect();
+        Ok(())
+    }
+}

@@ -1,0 +1,192 @@
+//! The one decoding loop every strategy plugs into.
+//!
+//! prefill -> loop { drafter proposes a tree (+ probe rows) -> ONE forward -> accept a path -> keep prefix +
+//! root + accepted path in the KV cache -> hand the probes' logits back to the drafter }.
+//! Verification, cache compaction, stopping rules and statistics are written here once.
+
+use super::sampling::{Sampler, SamplingParams};
+use super::stats::DecodeStats;
+use super::tree::{accept_with, LayoutCache, Probe, TokenTree};
+use crate::model::{BlockMask, KvCache, Transformer};
+use anyhow::{bail, Result};
+use candle_core::Tensor;
+use std::time::Instant;
+
+/// What a drafter proposes for one step: candidate tree rooted at the last committed token, and probe rows.
+pub struct Draft {
+    pub tree: TokenTree,
+    pub probes: Vec<Probe>,
+}
+
+impl Draft {
+    pub fn root_only(root: u32) -> Self {
+        Draft { tree: TokenTree::new(root), probes: Vec::new() }
+    }
+}
+
+/// A decoding strategy: only the drafting differs between methods.
+pub trait Drafter {
+    /// Short name for statistics ("ar", "esp", ...).
+    fn name(&self) -> String;
+    /// Called once with the prompt before prefill. Returns how many probe rows (offsets 1..=n, owned by the
+    /// last prompt token) to append to the prefill.
+    fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize>;
+    /// The tree and probes for a step whose root is `root`; `history` is every token so far (prompt +
+    /// generated, root included). `max_rows` bounds the block (context window, cache room).
+    fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft;
+    /// Input vectors for probe rows `[probes.len(), hidden]`.
+    fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor>;
+    /// After a step: the tokens it committed (accepted drafts, then the bonus token), and the logits of the
+    /// probes owned by the deepest accepted node, ordered by offset (empty when it had none).
+    fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()>;
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateParams {
+    pub max_new_tokens: usize,
+    pub sampling: SamplingParams,
+    pub stop_tokens: Vec<u32>,
+}
+
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    pub stats: DecodeStats,
+    /// Why decoding ended: "stop_token", "max_new_tokens" or "context_window".
+    pub finish_reason: &'static str,
+}
+
+/// Runs one generation. `on_token` sees every committed token as soon as its step ends (streaming).
+pub fn generate(
+    model: &Transformer,
+    prompt: &[u32],
+    drafter: &mut dyn Drafter,
+    params: &GenerateParams,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
+    let ctx = model.config.max_position_embeddings;
+    if prompt.is_empty() {
+        bail!("the prompt is empty");
+    }
+    if prompt.len() >= ctx {
+        bail!(
+            "the prompt is {} tokens, longer than the model's context window of {} tokens",
+            prompt.len(),
+            ctx
+        );
+    }
+    let mut stats = DecodeStats::new(drafter.name());
+    let mut sampler = Sampler::new(params.sampling);
+    let t0 = Instant::now();
+
+    // Prefill: [prompt | prefill probes], plain causal attention.
+    let probes = drafter.begin(model, prompt)?;
+    let probes = if prompt.len() + probes <= ctx { probes } else { 0 };
+    let capacity = (prompt.len() + params.max_new_tokens + 256).min(ctx + 256);
+    let mut cache: KvCache = model.new_cache(capacity)?;
+    let mut x = model.embed(prompt)?;
+    if probes > 0 {
+        let p: Vec<Probe> = (1..=probes).map(|offset| Probe { owner: 0, offset }).collect();
+        x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &p)?], 0)?;
+    }
+    let positions: Vec<u32> = (0..(prompt.len() + probes) as u32).collect();
+    let hidden = model.forward(&x, &positions, &BlockMask::Causal, &mut cache)?;
+    let rows: Vec<usize> = (prompt.len() - 1..prompt.len() + probes).collect();
+    let logits = model.logits(&hidden, &rows)?.to_vec2::<f32>()?;
+    cache.truncate(prompt.len());
+    let first = sampler.pick(&logits[0]);
+    drafter.observe(model, &[first], &logits[1..])?;
+    stats.prefill_seconds = t0.elapsed().as_secs_f64();
+
+    let mut history = prompt.to_vec();
+    let mut generated: Vec<u32> = Vec::new();
+    let mut layouts = LayoutCache::new();
+    let mut mask_buf: Vec<f32> = Vec::new();
+    let t_decode = Instant::now();
+
+    let mut pending = vec![first];
+    let finish_reason = 'outer: loop {
+        // Emit what the last step committed, stopping exactly where plain decoding would.
+        for (i, &t) in pending.iter().enumerate() {
+            generated.push(t);
+            history.push(t);
+            on_token(t)?;
+            let reason = if params.stop_tokens.contains(&t) {
+                "stop_token"
+            } else if generated.len() >= params.max_new_tokens {
+                "max_new_tokens"
+            } else if history.len() >= ctx {
+                "context_window"
+            } else {
+                continue;
+            };
+            stats.truncate_last_step(i + 1);
+            break 'outer reason;
+        }
+        let root = *history.last().unwrap();
+        let p0 = cache.len();
+        let room = (ctx - p0).min(cache.capacity() - p0);
+
+        let t_draft = Instant::now();
+        let mut draft = drafter.draft(root, &history, room);
+        let mut layout = layouts.get(&draft.tree, &draft.probes);
+        let fits = layout.rows <= room && layout.rel_positions.iter().all(|&r| (p0 + r as usize) < ctx);
+        if !fits {
+            draft = Draft::root_only(root);
+            layout = layouts.get(&draft.tree, &draft.probes);
+        }
+        let mut x = model.embed(draft.tree.tokens())?;
+        if !draft.probes.is_empty() {
+            x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &draft.probes)?], 0)?;
+        }
+        let positions: Vec<u32> = layout.rel_positions.iter().map(|&r| p0 as u32 + r).collect();
+        let is_chain = draft.probes.is_empty() && (1..draft.tree.len()).all(|n| draft.tree.parent(n) == Some(n - 1));
+        let mask = if is_chain {
+            BlockMask::Causal
+        } else {
+            layout.additive_mask_into(p0, &mut mask_buf);
+            BlockMask::Additive(Tensor::from_slice(&mask_buf, (layout.rows, p0 + layout.rows), &model.device)?)
+        };
+        stats.draft_seconds += t_draft.elapsed().as_secs_f64();
+
+        let t_fwd = Instant::now();
+        let hidden = model.forward(&x, &positions, &mask, &mut cache)?;
+        let node_rows: Vec<usize> = (0..draft.tree.len()).collect();
+        let node_logits = model.logits(&hidden, &node_rows)?.to_vec2::<f32>()?;
+        stats.forward_seconds += t_fwd.elapsed().as_secs_f64();
+
+        let t_verify = Instant::now();
+        let (accepted, bonus) = accept_with(&draft.tree, |n| sampler.pick(&node_logits[n]));
+        let deepest = accepted.last().copied().unwrap_or(0);
+        let probe_rows: Vec<usize> = {
+            let mut owned: Vec<(usize, usize)> = (1..)
+                .map_while(|offset| layout.probe_row(deepest, offset).map(|r| (offset, r)))
+                .collect();
+            owned.sort();
+            owned.into_iter().map(|(_, r)| r).collect()
+        };
+        let mut keep = vec![0usize];
+        keep.extend(accepted.iter().copied());
+        stats.verify_seconds += t_verify.elapsed().as_secs_f64();
+
+        let t_fwd = Instant::now();
+        let probe_logits = if probe_rows.is_empty() {
+            Vec::new()
+        } else {
+            model.logits(&hidden, &probe_rows)?.to_vec2::<f32>()?
+        };
+        stats.forward_seconds += t_fwd.elapsed().as_secs_f64();
+
+        let t_book = Instant::now();
+        cache.keep(p0, &keep)?;
+        pending.clear();
+        pending.extend(accepted.iter().map(|&n| draft.tree.token(n)));
+        pending.push(bonus);
+        stats.record_step(pending.len(), draft.tree.len(), layout.rows);
+        drafter.observe(model, &pending, &probe_logits)?;
+        stats.bookkeeping_seconds += t_book.elapsed().as_secs_f64();
+    };
+    stats.decode_seconds = t_decode.elapsed().as_secs_f64();
+    stats.new_tokens = generated.len();
+    stats.finish();
+    Ok(Generation { tokens: generated, stats, finish_reason })
+}

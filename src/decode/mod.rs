@@ -1,0 +1,9 @@
+//! Decoding strategies: the block and tree types (plain data, no tensors), the verifier, the generate loop,
+//! sampling, statistics, and one module per drafter.
+
+pub mod tree;
+pub mod ar;
+pub mod esp;
+pub mod generate;
+pub mod sampling;
+pub mod stats;

@@ -1,0 +1,103 @@
+//! Decoding statistics: model calls, tokens committed per call (tau), a histogram of it, and where the
+//! time went (forward pass, drafting, verification, bookkeeping).
+
+use serde::Serialize;
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct DecodeStats {
+    pub method: String,
+    pub new_tokens: usize,
+    /// Decoding forward passes after prefill.
+    pub model_calls: usize,
+    /// Tokens committed by those calls / model_calls (1.0 for plain decoding).
+    pub tau: f64,
+    pub prefill_seconds: f64,
+    pub decode_seconds: f64,
+    pub tokens_per_second: f64,
+    /// committed_histogram[n] = steps that committed n tokens.
+    pub committed_histogram: Vec<usize>,
+    /// Tree nodes and block rows (nodes + probes) summed over steps, for mean block sizes.
+    pub tree_nodes: usize,
+    pub block_rows: usize,
+    pub forward_seconds: f64,
+    pub draft_seconds: f64,
+    pub verify_seconds: f64,
+    pub bookkeeping_seconds: f64,
+    #[serde(skip)]
+    last_step: Option<usize>,
+}
+
+impl DecodeStats {
+    pub fn new(method: String) -> Self {
+        DecodeStats { method, ..Default::default() }
+    }
+
+    pub fn record_step(&mut self, committed: usize, nodes: usize, rows: usize) {
+        self.model_calls += 1;
+        self.tree_nodes += nodes;
+        self.block_rows += rows;
+        self.bump(committed, 1);
+        self.last_step = Some(committed);
+    }
+
+    /// The last step committed fewer tokens than it accepted (a stop token or the length limit fell inside).
+    pub fn truncate_last_step(&mut self, emitted: usize) {
+        if let Some(c) = self.last_step.take() {
+            if emitted < c {
+                self.committed_histogram[c] -= 1;
+                self.bump(emitted, 1);
+            }
+        }
+    }
+
+    fn bump(&mut self, n: usize, by: usize) {
+        if self.committed_histogram.len() <= n {
+            self.committed_histogram.resize(n + 1, 0);
+        }
+        self.committed_histogram[n] += by;
+    }
+
+    pub fn committed_by_calls(&self) -> usize {
+        self.committed_histogram.iter().enumerate().map(|(n, c)| n * c).sum()
+    }
+
+    /// Fills the derived fields once decoding is over.
+    pub fn finish(&mut self) {
+        self.tau = if self.model_calls == 0 {
+            1.0
+        } else {
+            self.committed_by_calls() as f64 / self.model_calls as f64
+        };
+        self.tokens_per_second = if self.decode_seconds > 0.0 {
+            self.committed_by_calls() as f64 / self.decode_seconds
+        } else {
+            0.0
+        };
+    }
+
+    /// Share of the decode time spent outside the forward pass.
+    pub fn overhead_fraction(&self) -> f64 {
+        let outside = self.draft_seconds + self.verify_seconds + self.bookkeeping_seconds;
+        let total = outside + self.forward_seconds;
+        if total > 0.0 {
+            outside / total
+        } else {
+            0.0
+        }
+    }
+
+    /// The one-line summary printed on stderr.
+    pub fn summary_line(&self, prompt_tokens: usize) -> String {
+        format!(
+            "[{}] prompt {} tok, {} new tok | prefill {:.2}s | decode {:.2} tok/s | {} model calls, tau {:.3} | overhead {:.1}%",
+            self.method,
+            prompt_tokens,
+            self.new_tokens,
+            self.prefill_seconds,
+            self.tokens_per_second,
+            self.model_calls,
+            self.tau,
+            100.0 * self.overhead_fraction()
+        )
+    }
+}

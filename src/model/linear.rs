@@ -1,0 +1,50 @@
+//! A projection `y = x W^T (+ b)` over dense or GGUF-quantised weights.
+
+use anyhow::Result;
+use candle_core::quantized::QMatMul;
+use candle_core::{DType, Module, Tensor};
+
+pub enum Weight {
+    Dense(Tensor),
+    Quantized(QMatMul),
+}
+
+pub struct Linear {
+    weight: Weight,
+    bias: Option<Tensor>,
+    /// Output-column permutation applied after the product: GGUF stores LLaMA's q/k rows interleaved for
+    /// llama.cpp's RoPE; quantised rows cannot be reordered cheaply at load, so the outputs are.
+    out_perm: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn new(weight: Weight, bias: Option<Tensor>) -> Self {
+        Linear { weight, bias, out_perm: None }
+    }
+
+    pub fn with_out_perm(mut self, perm: Tensor) -> Self {
+        self.out_perm = Some(perm);
+        self
+    }
+
+    /// `x`: [rows, in] -> [rows, out].
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = match &self.weight {
+            Weight::Dense(w) => x.matmul(&w.t()?)?,
+            Weight::Quantized(q) => {
+                // Quantised kernels take f32 activations.
+                let dt = x.dtype();
+                let y = q.forward(&x.to_dtype(DType::F32)?)?;
+                y.to_dtype(dt)?
+            }
+        };
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        Ok(match &self.out_perm {
+            Some(p) => y.index_select(p, 1)?,
+            None => y,
+        })
+    }
+}

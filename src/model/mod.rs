@@ -1,0 +1,266 @@
+//! The transformer forward pass shared by every decoding strategy.
+//!
+//! `forward(block embeddings, positions, mask, KV cache) -> hidden states`, then `logits(hidden, rows)`.
+//! Unlike candle-transformers' stock models this takes explicit position ids, an arbitrary additive
+//! attention mask over [cache + block], raw embedding vectors as inputs (ESP's mask tokens are vectors),
+//! and computes logits only for the rows a caller reads. LLaMA and Qwen 3 are one model with switches.
+
+pub mod config;
+pub mod kv_cache;
+pub mod linear;
+pub mod load;
+
+pub use config::{Arch, ModelConfig};
+pub use kv_cache::KvCache;
+pub use linear::{Linear, Weight};
+pub use load::{load_model, LoadedModel, ModelSource};
+
+use anyhow::{bail, Result};
+use candle_core::{DType, Device, Tensor, D};
+
+pub struct RmsNorm {
+    weight: Tensor,
+    eps: f32,
+}
+
+impl RmsNorm {
+    pub fn new(weight: Tensor, eps: f64) -> Self {
+        RmsNorm { weight, eps: eps as f32 }
+    }
+
+    /// Normalises over the last dimension, whatever the leading shape.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
+    }
+}
+
+pub struct Layer {
+    pub attn_norm: RmsNorm,
+    pub q_proj: Linear,
+    pub k_proj: Linear,
+    pub v_proj: Linear,
+    pub o_proj: Linear,
+    /// Qwen 3's per-head RMSNorm on queries and keys.
+    pub q_norm: Option<RmsNorm>,
+    pub k_norm: Option<RmsNorm>,
+    pub mlp_norm: RmsNorm,
+    pub gate_proj: Linear,
+    pub up_proj: Linear,
+    pub down_proj: Linear,
+}
+
+/// The attention pattern of a block: plain causal (prefill, one-token steps), or an additive mask of shape
+/// `[block rows, cached rows + block rows]` with 0 where a row may look and -inf where it may not.
+pub enum BlockMask {
+    Causal,
+    Additive(Tensor),
+}
+
+pub struct Transformer {
+    pub config: ModelConfig,
+    pub embed_tokens: Tensor,
+    pub layers: Vec<Layer>,
+    pub norm: RmsNorm,
+    pub lm_head: Linear,
+    /// RoPE tables `[max positions, head_dim / 2]`, gathered by position id per block.
+    cos: Tensor,
+    sin: Tensor,
+    pub device: Device,
+    pub dtype: DType,
+}
+
+impl Transformer {
+    pub fn new(
+        config: ModelConfig,
+        embed_tokens: Tensor,
+        layers: Vec<Layer>,
+        norm: RmsNorm,
+        lm_head: Linear,
+        rope_freq_factors: Option<Vec<f32>>,
+    ) -> Result<Self> {
+        let device = embed_tokens.device().clone();
+        let dtype = embed_tokens.dtype();
+        let mut inv_freq = config.rope_inv_freq();
+        if let Some(f) = rope_freq_factors {
+            if f.len() != inv_freq.len() {
+                bail!("rope_freqs has {} entries, expected {}", f.len(), inv_freq.len());
+            }
+            inv_freq.iter_mut().zip(f).for_each(|(x, f)| *x /= f);
+        }
+        let n = config.max_position_embeddings;
+        let half = inv_freq.len();
+        let inv_freq = Tensor::from_vec(inv_freq, (1, half), &device)?;
+        let t = Tensor::arange(0u32, n as u32, &device)?.to_dtype(DType::F32)?.reshape((n, 1))?;
+        let freqs = t.matmul(&inv_freq)?;
+        Ok(Transformer {
+            cos: freqs.cos()?.to_dtype(dtype)?,
+            sin: freqs.sin()?.to_dtype(dtype)?,
+            config,
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            device,
+            dtype,
+        })
+    }
+
+    pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
+        let c = &self.config;
+        KvCache::new(c.num_layers, capacity, c.num_kv_heads, c.head_dim, self.dtype, &self.device)
+    }
+
+    /// Input embeddings of `ids`: `[ids.len(), hidden]`.
+    pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let vocab = self.config.vocab_size as u32;
+        if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
+            bail!("token id {bad} is outside the model's vocabulary of {vocab}");
+        }
+        let idx = Tensor::new(ids, &self.device)?;
+        Ok(self.embed_tokens.index_select(&idx, 0)?)
+    }
+
+    /// Runs a block of `x.dim(0)` rows (`x`: `[rows, hidden]` input embeddings) at `positions`, appending
+    /// the block's keys and values to `cache`. Returns final-norm hidden states `[rows, hidden]`.
+    pub fn forward(&self, x: &Tensor, positions: &[u32], mask: &BlockMask, cache: &mut KvCache) -> Result<Tensor> {
+        let rows = x.dim(0)?;
+        if positions.len() != rows {
+            bail!("{} positions for {} rows", positions.len(), rows);
+        }
+        if let Some(&p) = positions.iter().max() {
+            if p as usize >= self.config.max_position_embeddings {
+                bail!(
+                    "position {p} is beyond the model's context window of {}",
+                    self.config.max_position_embeddings
+                );
+            }
+        }
+        cache.ensure_room(rows)?;
+        let (cos, sin) = self.rope_rows(positions)?;
+        let mut x = x.to_dtype(self.dtype)?;
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = self.layer_forward(layer, i, &x, &cos, &sin, mask, cache)?;
+        }
+        cache.advance(rows);
+        self.norm.forward(&x)
+    }
+
+    /// Logits (f32) of the given rows of `hidden`: `[rows.len(), vocab]`.
+    pub fn logits(&self, hidden: &Tensor, rows: &[usize]) -> Result<Tensor> {
+        let h = if rows.len() == hidden.dim(0)? && rows.iter().enumerate().all(|(i, &r)| i == r) {
+            hidden.clone()
+        } else {
+            let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
+            hidden.index_select(&Tensor::new(idx.as_slice(), &self.device)?, 0)?
+        };
+        Ok(self.lm_head.forward(&h)?.to_dtype(DType::F32)?)
+    }
+
+    fn rope_rows(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
+        let first = positions[0];
+        let contiguous = positions.iter().enumerate().all(|(i, &p)| p == first + i as u32);
+        if contiguous {
+            let n = positions.len();
+            Ok((self.cos.narrow(0, first as usize, n)?, self.sin.narrow(0, first as usize, n)?))
+        } else {
+            let idx = Tensor::new(positions, &self.device)?;
+            Ok((self.cos.index_select(&idx, 0)?, self.sin.index_select(&idx, 0)?))
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn layer_forward(
+        &self,
+        l: &Layer,
+        layer_idx: usize,
+        x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: &BlockMask,
+        cache: &KvCache,
+    ) -> Result<Tensor> {
+        let c = &self.config;
+        let rows = x.dim(0)?;
+        let h = l.attn_norm.forward(x)?;
+        let q = l.q_proj.forward(&h)?.reshape((1, rows, c.num_heads, c.head_dim))?;
+        let k = l.k_proj.forward(&h)?.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
+        let v = l.v_proj.forward(&h)?.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
+        let q = match &l.q_norm {
+            Some(n) => n.forward(&q)?,
+            None => q,
+        };
+        let k = match &l.k_norm {
+            Some(n) => n.forward(&k)?,
+            None => k,
+        };
+        let q = candle_nn::rotary_emb::rope_thd(&q.contiguous()?, cos, sin)?;
+        let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, cos, sin)?;
+        let (k_all, v_all) = cache.write(layer_idx, &k, &v.contiguous()?)?;
+        let attn = self.attention(&q, &k_all, &v_all, mask, cache.len())?;
+        let x = (x + l.o_proj.forward(&attn)?)?;
+        let h = l.mlp_norm.forward(&x)?;
+        let gated = (candle_nn::ops::silu(&l.gate_proj.forward(&h)?)? * l.up_proj.forward(&h)?)?;
+        Ok((x + l.down_proj.forward(&gated)?)?)
+    }
+
+    /// `q`: [1, rows, heads, hd]; `k`, `v`: [1, cached + rows, kv_heads, hd]. Returns [rows, heads * hd].
+    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &BlockMask, cached: usize) -> Result<Tensor> {
+        let c = &self.config;
+        let rows = q.dim(1)?;
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        if self.device.is_cpu() {
+            use candle_nn::attention::{flash_attn, AttnMask};
+            let m = match mask {
+                BlockMask::Causal if rows == 1 => AttnMask::None,
+                BlockMask::Causal => AttnMask::causal_with_offset(cached),
+                BlockMask::Additive(m) => AttnMask::Mask(m.to_dtype(self.dtype)?),
+            };
+            let y = match self.dtype {
+                DType::F32 => flash_attn::<f32>(q, k, v, scale, m, None, None)?,
+                DType::F16 => flash_attn::<half::f16>(q, k, v, scale, m, None, None)?,
+                DType::BF16 => flash_attn::<half::bf16>(q, k, v, scale, m, None, None)?,
+                dt => bail!("unsupported activation dtype {dt:?}"),
+            };
+            // [1, heads, rows, hd] -> [rows, heads * hd]
+            return Ok(y.squeeze(0)?.transpose(0, 1)?.reshape((rows, c.num_heads * c.head_dim))?);
+        }
+        // GPU path: matmul + additive mask + softmax, in f32 for the softmax.
+        let groups = c.num_heads / c.num_kv_heads;
+        let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // [heads, rows, hd]
+        let expand = |t: &Tensor| -> Result<Tensor> {
+            let t = t.squeeze(0)?.transpose(0, 1)?; // [kv_heads, len, hd]
+            let (kvh, len, hd) = t.dims3()?;
+            Ok(t.unsqueeze(1)?
+                .expand((kvh, groups, len, hd))?
+                .reshape((kvh * groups, len, hd))?
+                .contiguous()?)
+        };
+        let (k, v) = (expand(k)?, expand(v)?);
+        let att = (q.matmul(&k.t()?)?.to_dtype(DType::F32)? * scale as f64)?;
+        let att = match mask {
+            BlockMask::Causal if rows == 1 => att,
+            BlockMask::Causal => {
+                let m = causal_mask(rows, cached, &self.device)?;
+                att.broadcast_add(&m)?
+            }
+            BlockMask::Additive(m) => att.broadcast_add(&m.to_dtype(DType::F32)?)?,
+        };
+        let att = candle_nn::ops::softmax_last_dim(&att)?.to_dtype(self.dtype)?;
+        let y = att.matmul(&v)?; // [heads, rows, hd]
+        Ok(y.transpose(0, 1)?.reshape((rows, c.num_heads * c.head_dim))?)
+    }
+}
+
+/// Additive causal mask `[rows, cached + rows]`: row i sees every cached row and block rows 0..=i.
+pub fn causal_mask(rows: usize, cached: usize, device: &Device) -> Result<Tensor> {
+    let total = cached + rows;
+    let data: Vec<f32> = (0..rows)
+        .flat_map(|i| (0..total).map(move |j| if j <= cached + i { 0.0 } else { f32::NEG_INFINITY }))
+        .collect();
+    Ok(Tensor::from_vec(data, (rows, total), device)?)
+}
+
+/// Index of the largest value of each row (ties: the first).
+pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
+    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
+}

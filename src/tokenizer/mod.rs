@@ -1,0 +1,463 @@
+//! Text tokenisation for the supported checkpoints: encoding prompts, decoding (also incrementally,
+//! see [`StreamDecoder`]), the stop tokens that end a generation, and the model's chat template.
+//!
+//! A [`TextTokenizer`] is built either from GGUF metadata ([`TextTokenizer::from_gguf`], see
+//! `gguf.rs`) or from an HF checkpoint folder ([`TextTokenizer::from_hf_dir`]); both end up as a
+//! `tokenizers::Tokenizer` plus the special-token facts the model's conventions need.
+
+mod chat;
+mod gguf;
+mod stream;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use anyhow::{anyhow, bail, Context, Result};
+use candle_core::quantized::gguf_file;
+use serde_json::Value as Json;
+
+use chat::ChatTemplate;
+pub use chat::Message;
+pub use stream::StreamDecoder;
+
+/// Tokens that end an assistant turn in the supported families (ChatML, LLaMA 3, GPT-2 style,
+/// SentencePiece, Phi). Those present in the vocabulary are stop tokens besides the EOS ids.
+const END_OF_TURN_TOKENS: [&str; 6] = [
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "</s>",
+    "<|end|>",
+];
+
+/// The special-token facts the two loaders extract.
+#[derive(Debug, Clone, Default)]
+struct SpecialTokens {
+    bos_id: Option<u32>,
+    /// EOS first, then any other ids the checkpoint says end generation.
+    eos_ids: Vec<u32>,
+    /// Whether the model expects BOS in front of every input.
+    add_bos: bool,
+}
+
+/// A model's tokenizer with its conventions (BOS, stop tokens, chat template).
+#[derive(Debug)]
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    bos_id: Option<u32>,
+    add_bos: bool,
+    /// The BOS/EOS strings templates refer to as `bos_token` / `eos_token` ("" when absent).
+    bos_token: String,
+    eos_token: String,
+    stop_tokens: Vec<u32>,
+    vocab_size: usize,
+    chat_template: Option<ChatTemplate>,
+}
+
+impl TextTokenizer {
+    /// From GGUF metadata (`gguf_file::Content::metadata`).
+    pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
+        let built = gguf::build(md)?;
+        Ok(Self::assemble(
+            built.tokenizer,
+            built.special,
+            built.chat_template,
+        ))
+    }
+
+    /// From an HF checkpoint folder: `tokenizer.json` (required), `tokenizer_config.json` (BOS/EOS,
+    /// `add_bos_token`, `chat_template`), `chat_template.jinja` (preferred when present) and
+    /// `generation_config.json` (extra `eos_token_id`s).
+    pub fn from_hf_dir(dir: &Path) -> Result<Self> {
+        let tokenizer_path = dir.join("tokenizer.json");
+        if !tokenizer_path.is_file() {
+            bail!(
+                "no tokenizer.json in {}: an HF checkpoint folder needs one",
+                dir.display()
+            );
+        }
+        let inner = tokenizers::Tokenizer::from_file(&tokenizer_path)
+            .map_err(|e| anyhow!("reading {}: {e}", tokenizer_path.display()))?;
+
+        let config = read_json_opt(&dir.join("tokenizer_config.json"))?;
+        let generation = read_json_opt(&dir.join("generation_config.json"))?;
+        let config = config.as_ref();
+
+        let token_id = |field: &str| -> Option<u32> {
+            let content = config.and_then(|c| token_content(c.get(field)?))?;
+            inner.token_to_id(&content)
+        };
+        let ids_in = |v: Option<&Json>| -> Vec<u32> {
+            match v {
+                Some(Json::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
+                Some(Json::Array(a)) => a
+                    .iter()
+                    .filter_map(|x| x.as_u64().map(|x| x as u32))
+                    .collect(),
+                _ => Vec::new(),
+            }
+        };
+
+        let bos_id = token_id("bos_token")
+            .or_else(|| ids_in(generation.as_ref().and_then(|g| g.get("bos_token_id"))).first().copied());
+        let mut eos_ids: Vec<u32> = token_id("eos_token").into_iter().collect();
+        for id in ids_in(generation.as_ref().and_then(|g| g.get("eos_token_id"))) {
+            if !eos_ids.contains(&id) {
+                eos_ids.push(id);
+            }
+        }
+        let add_bos = match config.and_then(|c| c.get("add_bos_token")).and_then(Json::as_bool) {
+            Some(b) => b,
+            // No explicit setting: the tokenizer.json post-processor is the convention (LLaMA 3's
+            // TemplateProcessing prepends <|begin_of_text|>, Qwen's adds nothing).
+            None => match bos_id {
+                Some(bos) => inner
+                    .encode("a", true)
+                    .map(|e| e.get_ids().first() == Some(&bos))
+                    .unwrap_or(false),
+                None => false,
+            },
+        };
+
+        let jinja_path = dir.join("chat_template.jinja");
+        let chat_template = if jinja_path.is_file() {
+            Some(
+                std::fs::read_to_string(&jinja_path)
+                    .with_context(|| format!("reading {}", jinja_path.display()))?,
+            )
+        } else {
+            config
+                .and_then(|c| c.get("chat_template"))
+                .map(template_from_config)
+                .transpose()?
+                .flatten()
+        };
+
+        Ok(Self::assemble(
+            inner,
+            SpecialTokens {
+                bos_id,
+                eos_ids,
+                add_bos,
+            },
+            chat_template,
+        ))
+    }
+
+    fn assemble(
+        inner: tokenizers::Tokenizer,
+        special: SpecialTokens,
+        chat_template: Option<String>,
+    ) -> Self {
+        let mut stop_tokens = Vec::new();
+        let candidates = special
+            .eos_ids
+            .iter()
+            .copied()
+            .chain(END_OF_TURN_TOKENS.iter().filter_map(|t| inner.token_to_id(t)));
+        for id in candidates {
+            if !stop_tokens.contains(&id) {
+                stop_tokens.push(id);
+            }
+        }
+        let piece = |id: Option<u32>| id.and_then(|i| inner.id_to_token(i)).unwrap_or_default();
+        let bos_token = piece(special.bos_id);
+        let eos_token = piece(special.eos_ids.first().copied());
+        // Ids may have gaps (an added token past the model vocabulary), so count by the largest.
+        let vocab_size = inner
+            .get_vocab(true)
+            .values()
+            .max()
+            .map_or(0, |&m| m as usize + 1);
+        Self {
+            inner,
+            bos_id: special.bos_id,
+            add_bos: special.add_bos,
+            bos_token,
+            eos_token,
+            stop_tokens,
+            vocab_size,
+            chat_template: chat_template.map(ChatTemplate::new),
+        }
+    }
+
+    /// Number of token ids, added tokens included (largest id + 1).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// The text as the model reads it: special-token strings in the text (e.g. `<|im_start|>`)
+    /// become their ids, and BOS is prepended when the model's convention says so, unless the text
+    /// already starts with it (a chat template may write it itself).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
+        let ids = enc.get_ids();
+        match self.bos_id {
+            Some(bos) if self.add_bos && ids.first() != Some(&bos) => {
+                let mut out = Vec::with_capacity(ids.len() + 1);
+                out.push(bos);
+                out.extend_from_slice(ids);
+                Ok(out)
+            }
+            _ => Ok(ids.to_vec()),
+        }
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner
+            .decode(ids, true)
+            .map_err(|e| anyhow!("detokenizing failed: {e}"))
+    }
+
+    /// Ids that end generation: the EOS ids, then the end-of-turn tokens found in the vocabulary.
+    pub fn stop_tokens(&self) -> &[u32] {
+        &self.stop_tokens
+    }
+
+    pub fn has_chat_template(&self) -> bool {
+        self.chat_template.is_some()
+    }
+
+    /// Renders `messages` with the model's chat template.
+    pub fn apply_chat_template(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
+        let Some(tmpl) = &self.chat_template else {
+            bail!(
+                "this model has no chat template; run with --no-chat-template to use the prompt as is"
+            );
+        };
+        tmpl.render(
+            messages,
+            add_generation_prompt,
+            &self.bos_token,
+            &self.eos_token,
+        )
+    }
+
+    /// The text of one token, special tokens included (`None` for an id outside the vocabulary).
+    /// A token holding part of a multi-byte character shows it as U+FFFD; use [`StreamDecoder`]
+    /// to print generated text.
+    pub fn token_to_piece(&self, id: u32) -> Option<String> {
+        self.inner.id_to_token(id)?;
+        self.inner.decode(&[id], false).ok()
+    }
+
+    /// The underlying `tokenizers` tokenizer.
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}
+
+/// A JSON file that may be absent; present but unreadable is an error.
+fn read_json_opt(path: &Path) -> Result<Option<Json>> {
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let v = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
+    Ok(Some(v))
+}
+
+/// A special token in tokenizer_config.json: a string, or an AddedToken object with `content`.
+fn token_content(v: &Json) -> Option<String> {
+    match v {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content")?.as_str().map(str::to_string),
+        _ => None,
+    }
+}
+
+/// `chat_template` in tokenizer_config.json: a string, or a list of `{name, template}` of which we
+/// take "default".
+fn template_from_config(v: &Json) -> Result<Option<String>> {
+    match v {
+        Json::Null => Ok(None),
+        Json::String(s) => Ok(Some(s.clone())),
+        Json::Array(list) => {
+            let default = list.iter().find(|t| t.get("name").and_then(Json::as_str) == Some("default"));
+            match default {
+                Some(t) => Ok(t.get("template").and_then(Json::as_str).map(str::to_string)),
+                None => {
+                    let names: Vec<&str> = list
+                        .iter()
+                        .filter_map(|t| t.get("name").and_then(Json::as_str))
+                        .collect();
+                    bail!(
+                        "tokenizer_config.json has named chat templates {names:?} but none called \"default\""
+                    )
+                }
+            }
+        }
+        _ => bail!("tokenizer_config.json: chat_template is neither a string nor a list"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A small byte-level BPE tokenizer.json, as an HF checkpoint would ship it.
+    fn tiny_tokenizer_json(post_processor_bos: bool) -> Json {
+        let post = if post_processor_bos {
+            json!({
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                "special_tokens": {"<s>": {"id": "<s>", "ids": [0], "tokens": ["<s>"]}}
+            })
+        } else {
+            Json::Null
+        };
+        json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [
+                {"id": 0, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 1, "content": "</s>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true},
+                {"id": 2, "content": "<|im_end|>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}
+            ],
+            "normalizer": null,
+            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+            "post_processor": post,
+            "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+            "model": {
+                "type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
+                "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                "vocab": {"<s>": 0, "</s>": 1, "<|im_end|>": 2, "h": 3, "i": 4, "Ġ": 5, "hi": 6, "Ġhi": 7, "!": 8},
+                "merges": [["h", "i"], ["Ġ", "hi"]]
+            }
+        })
+    }
+
+    fn write(dir: &Path, name: &str, v: &Json) {
+        std::fs::write(dir.join(name), serde_json::to_string_pretty(v).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn hf_dir_with_config_template_and_generation_config() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "tokenizer.json", &tiny_tokenizer_json(false));
+        write(
+            dir.path(),
+            "tokenizer_config.json",
+            &json!({
+                "bos_token": {"content": "<s>", "special": true},
+                "eos_token": "</s>",
+                "add_bos_token": true,
+                "chat_template": "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+            }),
+        );
+        write(
+            dir.path(),
+            "generation_config.json",
+            &json!({"eos_token_id": [1, 2]}),
+        );
+        let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(tok.vocab_size(), 9);
+        assert_eq!(tok.encode("hi hi!").unwrap(), vec![0, 6, 7, 8]);
+        // BOS is not doubled when the text (e.g. a rendered template) starts with it.
+        assert_eq!(tok.encode("<s>hi").unwrap(), vec![0, 6]);
+        assert_eq!(tok.decode(&[0, 6, 7, 8, 1]).unwrap(), "hi hi!");
+        assert_eq!(tok.stop_tokens(), &[1, 2]);
+        assert_eq!(tok.token_to_piece(7).as_deref(), Some(" hi"));
+        assert_eq!(tok.token_to_piece(1).as_deref(), Some("</s>"));
+        assert_eq!(tok.token_to_piece(99), None);
+        assert!(tok.has_chat_template());
+        let prompt = tok
+            .apply_chat_template(&[Message::new("user", "hi")], true)
+            .unwrap();
+        assert_eq!(prompt, "<s>user: hi</s>assistant:");
+        // The template wrote BOS itself: encode must not add a second one.
+        let ids = tok.encode(&prompt).unwrap();
+        assert_eq!(ids[0], 0);
+        assert_eq!(ids.iter().filter(|&&i| i == 0).count(), 1);
+        assert!(ids.contains(&1), "special-token text in the prompt maps to its id");
+    }
+
+    #[test]
+    fn hf_dir_named_templates_jinja_file_and_post_processor_bos() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "tokenizer.json", &tiny_tokenizer_json(true));
+        write(
+            dir.path(),
+            "tokenizer_config.json",
+            &json!({
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "chat_template": [
+                    {"name": "tool_use", "template": "TOOLS"},
+                    {"name": "default", "template": "DEFAULT{{ messages[0].content }}"}
+                ]
+            }),
+        );
+        let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        // No add_bos_token: the post-processor's BOS is the convention.
+        assert_eq!(tok.encode("hi").unwrap(), vec![0, 6]);
+        let msgs = [Message::new("user", "x")];
+        assert_eq!(tok.apply_chat_template(&msgs, false).unwrap(), "DEFAULTx");
+
+        // chat_template.jinja wins over tokenizer_config.json.
+        std::fs::write(dir.path().join("chat_template.jinja"), "JINJA{{ messages[0].role }}\n")
+            .unwrap();
+        let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        assert_eq!(tok.apply_chat_template(&msgs, false).unwrap(), "JINJAuser");
+    }
+
+    #[test]
+    fn hf_dir_without_template_or_config() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "tokenizer.json", &tiny_tokenizer_json(false));
+        let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        assert!(!tok.has_chat_template());
+        let err = tok.apply_chat_template(&[], true).unwrap_err().to_string();
+        assert!(err.contains("--no-chat-template"), "{err}");
+        // No EOS configured: the end-of-turn tokens in the vocabulary still stop generation.
+        assert_eq!(tok.stop_tokens(), &[2, 1]);
+        assert_eq!(tok.encode("hi").unwrap(), vec![6]);
+    }
+
+    #[test]
+    fn hf_dir_missing_tokenizer_json_names_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let err = TextTokenizer::from_hf_dir(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("tokenizer.json"), "{err}");
+        assert!(err.contains(&dir.path().display().to_string()), "{err}");
+    }
+
+    #[test]
+    fn stream_decoder_matches_decode_on_tiny_vocab() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "tokenizer.json", &tiny_tokenizer_json(false));
+        let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        let ids = [6, 7, 2, 8, 7];
+        let mut stream = StreamDecoder::new(&tok);
+        let mut out = String::new();
+        for &id in &ids {
+            if let Some(piece) = stream.push(id).unwrap() {
+                out.push_str(&piece);
+            }
+        }
+        if let Some(piece) = stream.finish().unwrap() {
+            out.push_str(&piece);
+        }
+        assert_eq!(out, tok.decode(&ids).unwrap());
+        assert_eq!(out, "hi hi! hi");
+    }
+
+    #[test]
+    fn tokenizer_is_send_and_sync() {
+        fn check<T: Send + Sync>() {}
+        check::<TextTokenizer>();
+    }
+}

@@ -1,0 +1,281 @@
+//! Test fixtures: tiny random LLaMA / Qwen 3 checkpoints written to disk as HF folders and GGUF files, and
+//! the path of the real SmolLM2 model.
+#![allow(dead_code)]
+
+use candle_core::quantized::{gguf_file, QTensor};
+use candle_core::{Device, Tensor};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TinyArch {
+    Llama,
+    Qwen3,
+}
+
+pub struct TinySpec {
+    pub arch: TinyArch,
+    pub vocab: usize,
+    pub hidden: usize,
+    pub layers: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub intermediate: usize,
+    pub max_pos: usize,
+    pub tied: bool,
+    /// Standard deviation of the random weights: larger makes sharper, more repetitive greedy output.
+    pub scale: f32,
+    pub seed: u64,
+}
+
+impl TinySpec {
+    pub fn llama() -> Self {
+        TinySpec {
+            arch: TinyArch::Llama,
+            vocab: 256,
+            hidden: 64,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            intermediate: 128,
+            max_pos: 512,
+            tied: false,
+            scale: 0.15,
+            seed: 1,
+        }
+    }
+
+    pub fn qwen3() -> Self {
+        // Qwen 3 has an explicit head_dim that need not be hidden / heads.
+        TinySpec { arch: TinyArch::Qwen3, head_dim: 24, tied: true, seed: 2, ..Self::llama() }
+    }
+
+    pub fn config_json(&self) -> serde_json::Value {
+        match self.arch {
+            TinyArch::Llama => json!({
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": self.vocab,
+                "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 500000.0,
+                "rope_scaling": {
+                    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64, "rope_type": "llama3"
+                },
+                "max_position_embeddings": self.max_pos,
+                "tie_word_embeddings": self.tied,
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            }),
+            TinyArch::Qwen3 => json!({
+                "model_type": "qwen3",
+                "architectures": ["Qwen3ForCausalLM"],
+                "vocab_size": self.vocab,
+                "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate,
+                "num_hidden_layers": self.layers,
+                "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads,
+                "head_dim": self.head_dim,
+                "attention_bias": false,
+                "max_position_embeddings": self.max_pos,
+                "sliding_window": null,
+                "max_window_layers": self.layers,
+                "tie_word_embeddings": self.tied,
+                "rope_theta": 1000000.0,
+                "rms_norm_eps": 1e-6,
+                "use_sliding_window": false,
+                "hidden_act": "silu",
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+            }),
+        }
+    }
+
+    /// Random weights under Hugging Face names.
+    pub fn weights(&self) -> HashMap<String, Tensor> {
+        let mut rng = StdRng::seed_from_u64(self.seed);
+        let mut w = HashMap::new();
+        let mut randn = |shape: &[usize], scale: f32| -> Tensor {
+            let n: usize = shape.iter().product();
+            // Sum of uniforms: close enough to normal for test weights, and dependency-free.
+            let v: Vec<f32> = (0..n)
+                .map(|_| (0..4).map(|_| rng.random::<f32>() - 0.5).sum::<f32>() * scale * 1.7)
+                .collect();
+            Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+        };
+        let (d, hd, s) = (self.hidden, self.head_dim, self.scale);
+        w.insert("model.embed_tokens.weight".into(), randn(&[self.vocab, d], 1.0));
+        for i in 0..self.layers {
+            let p = format!("model.layers.{i}");
+            let mut norm = |name: &str, n: usize, w: &mut HashMap<String, Tensor>, rng_t: Tensor| {
+                let _ = n;
+                w.insert(format!("{p}.{name}.weight"), (rng_t + 1.0).unwrap());
+            };
+            norm("input_layernorm", d, &mut w, randn(&[d], 0.1));
+            norm("post_attention_layernorm", d, &mut w, randn(&[d], 0.1));
+            w.insert(format!("{p}.self_attn.q_proj.weight"), randn(&[self.heads * hd, d], s));
+            w.insert(format!("{p}.self_attn.k_proj.weight"), randn(&[self.kv_heads * hd, d], s));
+            w.insert(format!("{p}.self_attn.v_proj.weight"), randn(&[self.kv_heads * hd, d], s));
+            w.insert(format!("{p}.self_attn.o_proj.weight"), randn(&[d, self.heads * hd], s));
+            if self.arch == TinyArch::Qwen3 {
+                norm("self_attn.q_norm", hd, &mut w, randn(&[hd], 0.1));
+                norm("self_attn.k_norm", hd, &mut w, randn(&[hd], 0.1));
+            }
+            w.insert(format!("{p}.mlp.gate_proj.weight"), randn(&[self.intermediate, d], s));
+            w.insert(format!("{p}.mlp.up_proj.weight"), randn(&[self.intermediate, d], s));
+            w.insert(format!("{p}.mlp.down_proj.weight"), randn(&[d, self.intermediate], s));
+        }
+        w.insert("model.norm.weight".into(), (randn(&[d], 0.1) + 1.0).unwrap());
+        if !self.tied {
+            w.insert("lm_head.weight".into(), randn(&[self.vocab, d], s));
+        }
+        w
+    }
+
+    /// Token strings of the tiny vocabulary: ids 0..=3 are specials, the rest single words.
+    pub fn vocab_strings(&self) -> Vec<String> {
+        (0..self.vocab)
+            .map(|i| match i {
+                0 => "<unk>".to_string(),
+                1 => "<s>".to_string(),
+                2 => "</s>".to_string(),
+                3 => "<|im_end|>".to_string(),
+                _ => format!("w{i}"),
+            })
+            .collect()
+    }
+
+    /// Writes config.json, model.safetensors, tokenizer.json and tokenizer_config.json.
+    pub fn write_hf(&self, dir: &Path) {
+        std::fs::create_dir_all(dir).unwrap();
+        std::fs::write(dir.join("config.json"), self.config_json().to_string()).unwrap();
+        candle_core::safetensors::save(&self.weights(), dir.join("model.safetensors")).unwrap();
+        let vocab: serde_json::Map<String, serde_json::Value> =
+            self.vocab_strings().into_iter().enumerate().map(|(i, s)| (s, json!(i))).collect();
+        let added: Vec<serde_json::Value> = (0..4)
+            .map(|i| json!({"id": i, "content": self.vocab_strings()[i], "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+            .collect();
+        let tokenizer = json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": added,
+            "normalizer": null,
+            "pre_tokenizer": {"type": "WhitespaceSplit"},
+            "post_processor": null,
+            "decoder": {"type": "WordPiece", "prefix": "##", "cleanup": false},
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+        });
+        std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+        let tcfg = json!({
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "add_bos_token": false,
+            "chat_template": "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}{% if add_generation_prompt %}w4 {% endif %}"
+        });
+        std::fs::write(dir.join("tokenizer_config.json"), tcfg.to_string()).unwrap();
+    }
+
+    /// Writes the same weights as an f32 GGUF the way llama.cpp's converter does (LLaMA q/k rows
+    /// interleaved per head), with a byte-level BPE tokenizer in the metadata.
+    pub fn write_gguf(&self, path: &Path) {
+        let arch = match self.arch {
+            TinyArch::Llama => "llama",
+            TinyArch::Qwen3 => "qwen3",
+        };
+        let w = self.weights();
+        let mut tensors: Vec<(String, QTensor)> = Vec::new();
+        let mut add = |name: String, t: &Tensor| tensors.push((name, QTensor::quantize(t, candle_core::quantized::GgmlDType::F32).unwrap()));
+        let permute = |t: &Tensor, heads: usize| -> Tensor {
+            if self.arch != TinyArch::Llama {
+                return t.clone();
+            }
+            let (rows, cols) = t.dims2().unwrap();
+            t.reshape((heads, 2, rows / heads / 2, cols)).unwrap().transpose(1, 2).unwrap().reshape((rows, cols)).unwrap()
+        };
+        add("token_embd.weight".into(), &w["model.embed_tokens.weight"]);
+        for i in 0..self.layers {
+            let p = format!("model.layers.{i}");
+            let b = format!("blk.{i}");
+            add(format!("{b}.attn_norm.weight"), &w[&format!("{p}.input_layernorm.weight")]);
+            add(format!("{b}.ffn_norm.weight"), &w[&format!("{p}.post_attention_layernorm.weight")]);
+            add(format!("{b}.attn_q.weight"), &permute(&w[&format!("{p}.self_attn.q_proj.weight")], self.heads));
+            add(format!("{b}.attn_k.weight"), &permute(&w[&format!("{p}.self_attn.k_proj.weight")], self.kv_heads));
+            add(format!("{b}.attn_v.weight"), &w[&format!("{p}.self_attn.v_proj.weight")]);
+            add(format!("{b}.attn_output.weight"), &w[&format!("{p}.self_attn.o_proj.weight")]);
+            if self.arch == TinyArch::Qwen3 {
+                add(format!("{b}.attn_q_norm.weight"), &w[&format!("{p}.self_attn.q_norm.weight")]);
+                add(format!("{b}.attn_k_norm.weight"), &w[&format!("{p}.self_attn.k_norm.weight")]);
+            }
+            add(format!("{b}.ffn_gate.weight"), &w[&format!("{p}.mlp.gate_proj.weight")]);
+            add(format!("{b}.ffn_up.weight"), &w[&format!("{p}.mlp.up_proj.weight")]);
+            add(format!("{b}.ffn_down.weight"), &w[&format!("{p}.mlp.down_proj.weight")]);
+        }
+        add("output_norm.weight".into(), &w["model.norm.weight"]);
+        if !self.tied {
+            add("output.weight".into(), &w["lm_head.weight"]);
+        }
+        use gguf_file::Value as V;
+        let mut md: Vec<(String, V)> = vec![
+            ("general.architecture".into(), V::String(arch.into())),
+            (format!("{arch}.context_length"), V::U32(self.max_pos as u32)),
+            (format!("{arch}.embedding_length"), V::U32(self.hidden as u32)),
+            (format!("{arch}.feed_forward_length"), V::U32(self.intermediate as u32)),
+            (format!("{arch}.block_count"), V::U32(self.layers as u32)),
+            (format!("{arch}.attention.head_count"), V::U32(self.heads as u32)),
+            (format!("{arch}.attention.head_count_kv"), V::U32(self.kv_heads as u32)),
+            (format!("{arch}.attention.key_length"), V::U32(self.head_dim as u32)),
+            (format!("{arch}.rope.dimension_count"), V::U32(self.head_dim as u32)),
+            (format!("{arch}.attention.layer_norm_rms_epsilon"), V::F32(if self.arch == TinyArch::Llama { 1e-5 } else { 1e-6 })),
+            (format!("{arch}.rope.freq_base"), V::F32(if self.arch == TinyArch::Llama { 500000.0 } else { 1000000.0 })),
+            ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
+            ("tokenizer.ggml.pre".into(), V::String("gpt-2".into())),
+            ("tokenizer.ggml.tokens".into(), V::Array(self.vocab_strings().into_iter().map(V::String).collect())),
+            ("tokenizer.ggml.token_type".into(), V::Array((0..self.vocab).map(|i| V::I32(if i < 4 { 3 } else { 1 })).collect())),
+            ("tokenizer.ggml.merges".into(), V::Array(vec![])),
+            ("tokenizer.ggml.bos_token_id".into(), V::U32(1)),
+            ("tokenizer.ggml.eos_token_id".into(), V::U32(2)),
+        ];
+        if self.arch == TinyArch::Llama {
+            // llama.cpp stores LLaMA 3.1 rope scaling as per-frequency factors.
+            let cfg: probespec::model::ModelConfig =
+                probespec::model::ModelConfig::from_hf_json(&self.config_json().to_string()).unwrap();
+            let plain = probespec::model::ModelConfig { rope_scaling: None, ..cfg.clone() };
+            let factors: Vec<f32> =
+                plain.rope_inv_freq().iter().zip(cfg.rope_inv_freq()).map(|(a, b)| a / b).collect();
+            let n = factors.len();
+            add("rope_freqs.weight".into(), &Tensor::from_vec(factors, n, &Device::Cpu).unwrap());
+        }
+        let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+        let mut f = std::fs::File::create(path).unwrap();
+        gguf_file::write(&mut f, &md_refs, &t_refs).unwrap();
+        md.clear();
+    }
+}
+
+/// The real SmolLM2-135M-Instruct GGUF. Panics with the fetch command when it is missing.
+pub fn smollm2_path() -> PathBuf {
+    let p = probespec::model::load::default_model_path();
+    assert!(
+        p.is_file(),
+        "SmolLM2 GGUF not found at {}: run `make model` (scripts/fetch-model.sh) to fetch it",
+        p.display()
+    );
+    p
+}
+
+pub fn tempdir() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
