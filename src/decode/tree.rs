@@ -279,10 +279,7 @@ pub fn layout(tree: &TokenTree, probes: &[Probe]) -> BlockLayout {
         // only runs on a cache miss and the probe count is small (k per node, or one lookahead window).
         for (i2, other) in probes.iter().enumerate() {
             if other.owner == owner && other.offset <= offset {
-                assert!(
-                    other.offset != offset || i2 == i,
-                    "probe {probe:?} appears twice"
-                );
+                assert!(other.offset != offset || i2 == i, "probe {probe:?} appears twice");
                 visible[r * rows + n_nodes + i2] = true;
             }
         }
@@ -535,12 +532,7 @@ pub fn dynamic_tree(root: u32, dists: &[Candidates], budget: usize) -> TokenTree
         });
     }
     while tree.len() <= budget {
-        let Some(Frontier {
-            score,
-            parent,
-            rank,
-        }) = heap.pop()
-        else {
+        let Some(Frontier { score, parent, rank }) = heap.pop() else {
             break;
         };
         let depth = tree.depth(parent) + 1;
@@ -626,10 +618,7 @@ mod tests {
         assert_eq!(t.parent(0), None);
         assert_eq!(t.parent(c), Some(a));
         assert_eq!(t.parent(b), Some(0));
-        assert_eq!(
-            [t.depth(0), t.depth(a), t.depth(b), t.depth(c)],
-            [0, 1, 1, 2]
-        );
+        assert_eq!([t.depth(0), t.depth(a), t.depth(b), t.depth(c)], [0, 1, 1, 2]);
         assert_eq!(t.max_depth(), 2);
         assert_eq!(t.children(0).collect::<Vec<_>>(), vec![1, 2]);
         assert_eq!(t.children(a).collect::<Vec<_>>(), vec![3]);
@@ -953,11 +942,7 @@ mod tests {
                     }
                     let w: Vec<f32> = (0..5).map(|_| 1.0 + (next() % 1000) as f32).collect();
                     let sum: f32 = w.iter().sum();
-                    let mut d: Candidates = toks[..5]
-                        .iter()
-                        .zip(&w)
-                        .map(|(&t, &x)| (t, x / sum))
-                        .collect();
+                    let mut d: Candidates = toks[..5].iter().zip(&w).map(|(&t, &x)| (t, x / sum)).collect();
                     d.sort_by(|a, b| b.1.total_cmp(&a.1));
                     d
                 })
@@ -970,11 +955,7 @@ mod tests {
                 let t = dynamic_tree(root, &dists, budget);
                 assert_eq!(t.len() - 1, budget.min(all.len()));
                 for n in 1..t.len() {
-                    assert_ne!(
-                        t.token(n),
-                        t.token(t.parent(n).unwrap()),
-                        "parent-equal pruning"
-                    );
+                    assert_ne!(t.token(n), t.token(t.parent(n).unwrap()), "parent-equal pruning");
                 }
                 let mut got = cumulative(&t, &dists)[1..].to_vec();
                 got.sort_by(|a, b| b.total_cmp(a));

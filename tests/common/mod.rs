@@ -52,7 +52,7 @@ impl TinySpec {
 
     pub fn qwen3() -> Self {
         // Qwen 3 has an explicit head_dim that need not be hidden / heads.
-        TinySpec { arch: TinyArch::Qwen3, head_dim: 24, tied: true, seed: 2, ..Self::llama() }
+        TinySpec { arch: TinyArch::Qwen3, head_dim: 24, tied: true, seed: 2, scale: 0.3, ..Self::llama() }
     }
 
     pub fn config_json(&self) -> serde_json::Value {
@@ -118,7 +118,7 @@ impl TinySpec {
         w.insert("model.embed_tokens.weight".into(), randn(&[self.vocab, d], 1.0));
         for i in 0..self.layers {
             let p = format!("model.layers.{i}");
-            let mut norm = |name: &str, n: usize, w: &mut HashMap<String, Tensor>, rng_t: Tensor| {
+            let norm = |name: &str, n: usize, w: &mut HashMap<String, Tensor>, rng_t: Tensor| {
                 let _ = n;
                 w.insert(format!("{p}.{name}.weight"), (rng_t + 1.0).unwrap());
             };
