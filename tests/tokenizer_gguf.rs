@@ -27,7 +27,9 @@ fn model_path() -> PathBuf {
         None => {
             let cache = std::env::var_os("XDG_CACHE_HOME")
                 .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"));
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
+                });
             cache.join("probespec")
         }
     };
@@ -38,7 +40,10 @@ fn model_path() -> PathBuf {
 fn metadata() -> HashMap<String, Value> {
     let path = model_path();
     if !path.is_file() {
-        panic!("SmolLM2 GGUF not found at {}: run scripts/fetch-model.sh", path.display());
+        panic!(
+            "SmolLM2 GGUF not found at {}: run scripts/fetch-model.sh",
+            path.display()
+        );
     }
     let mut file = std::fs::File::open(&path).unwrap();
     Content::read(&mut file).unwrap().metadata
@@ -59,18 +64,70 @@ fn read_json(rel: &str) -> serde_json::Value {
 /// (text, ids) from llama.cpp and transformers (see the file comment).
 const SMOLLM2_CASES: &[(&str, &[u32])] = &[
     ("Hello world", &[19556, 905]),
-    ("Hello 12345 world, it's 2024-06-01.", &[19556, 216, 33, 34, 35, 36, 37, 905, 28, 357, 506, 216, 34, 32, 34, 36, 29, 32, 38, 29, 32, 33, 30]),
-    ("I can't, you'll, we've, they're, she'd, I'M, it'S", &[57, 416, 982, 28, 346, 3060, 28, 392, 3543, 28, 502, 2316, 28, 1041, 6737, 28, 339, 23, 61, 28, 357, 23, 67]),
-    ("  multiple   spaces\n\n\nand\r\nnewlines\t\ttabs  ", &[216, 2701, 256, 5600, 1116, 198, 397, 201, 198, 2241, 5110, 197, 197, 100, 7366, 256]),
-    ("Café naïve résumé é", &[51, 1939, 2756, 15486, 46494, 412, 2756, 5422, 2756, 26411]),
-    ("日本語のテキスト", &[23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226]),
-    ("Emoji: 🦀🚀 👍🏽 family 👨\u{200d}👩\u{200d}👧", &[10809, 33777, 42, 15107, 116, 218, 10813, 244, 218, 15107, 235, 231, 10813, 233, 138, 1564, 15107, 235, 118, 321, 231, 10813, 235, 119, 321, 231, 10813, 235, 117]),
+    (
+        "Hello 12345 world, it's 2024-06-01.",
+        &[
+            19556, 216, 33, 34, 35, 36, 37, 905, 28, 357, 506, 216, 34, 32, 34, 36, 29, 32, 38, 29, 32, 33,
+            30,
+        ],
+    ),
+    (
+        "I can't, you'll, we've, they're, she'd, I'M, it'S",
+        &[
+            57, 416, 982, 28, 346, 3060, 28, 392, 3543, 28, 502, 2316, 28, 1041, 6737, 28, 339, 23, 61, 28,
+            357, 23, 67,
+        ],
+    ),
+    (
+        "  multiple   spaces\n\n\nand\r\nnewlines\t\ttabs  ",
+        &[
+            216, 2701, 256, 5600, 1116, 198, 397, 201, 198, 2241, 5110, 197, 197, 100, 7366, 256,
+        ],
+    ),
+    (
+        "Café naïve résumé é",
+        &[51, 1939, 2756, 15486, 46494, 412, 2756, 5422, 2756, 26411],
+    ),
+    (
+        "日本語のテキスト",
+        &[
+            23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226,
+        ],
+    ),
+    (
+        "Emoji: 🦀🚀 👍🏽 family 👨\u{200d}👩\u{200d}👧",
+        &[
+            10809, 33777, 42, 15107, 116, 218, 10813, 244, 218, 15107, 235, 231, 10813, 233, 138, 1564,
+            15107, 235, 118, 321, 231, 10813, 235, 119, 321, 231, 10813, 235, 117,
+        ],
+    ),
     ("<|im_start|>user\nHi<|im_end|>\n", &[1, 4093, 198, 26843, 2, 198]),
-    ("x=3.14159; y = 1,000,000 + 42", &[104, 45, 35, 30, 33, 36, 33, 37, 41, 43, 329, 446, 216, 33, 28, 32, 32, 32, 28, 32, 32, 32, 1232, 216, 36, 34]),
-    ("(parenthesis) $100 #tag 'quoted' 12345678 2024 zzyzx", &[24, 5667, 6982, 25, 1885, 33, 32, 32, 907, 9204, 637, 385, 5036, 23, 216, 33, 34, 35, 36, 37, 38, 39, 40, 216, 34, 32, 34, 36, 1892, 5346, 106, 104]),
-    ("fn main() {\n    println!(\"{}\", 1 + 2);\n}\n", &[7853, 1085, 1000, 1662, 472, 1628, 34115, 17, 43331, 1002, 216, 33, 1232, 216, 34, 4258, 198, 109, 198]),
+    (
+        "x=3.14159; y = 1,000,000 + 42",
+        &[
+            104, 45, 35, 30, 33, 36, 33, 37, 41, 43, 329, 446, 216, 33, 28, 32, 32, 32, 28, 32, 32, 32, 1232,
+            216, 36, 34,
+        ],
+    ),
+    (
+        "(parenthesis) $100 #tag 'quoted' 12345678 2024 zzyzx",
+        &[
+            24, 5667, 6982, 25, 1885, 33, 32, 32, 907, 9204, 637, 385, 5036, 23, 216, 33, 34, 35, 36, 37, 38,
+            39, 40, 216, 34, 32, 34, 36, 1892, 5346, 106, 104,
+        ],
+    ),
+    (
+        "fn main() {\n    println!(\"{}\", 1 + 2);\n}\n",
+        &[
+            7853, 1085, 1000, 1662, 472, 1628, 34115, 17, 43331, 1002, 216, 33, 1232, 216, 34, 4258, 198,
+            109, 198,
+        ],
+    ),
     ("   leading and trailing   ", &[256, 2899, 284, 35079, 333]),
-    ("line one\n\n  indented line\n", &[1311, 582, 8866, 641, 6574, 1761, 198]),
+    (
+        "line one\n\n  indented line\n",
+        &[1311, 582, 8866, 641, 6574, 1761, 198],
+    ),
 ];
 
 /// SmolLM2's template on "What is the capital of France?" (its default system prompt is added),
@@ -149,7 +206,10 @@ fn stream_decoder_concatenates_to_decode() {
         let joined: String = pieces.iter().flatten().map(String::as_str).collect();
         assert_eq!(joined, tok.decode(ids).unwrap());
         for p in pieces.iter().flatten() {
-            assert!(!p.contains('\u{FFFD}'), "half a character was emitted: {p:?} in {ids:?}");
+            assert!(
+                !p.contains('\u{FFFD}'),
+                "half a character was emitted: {p:?} in {ids:?}"
+            );
         }
     }
 }
@@ -180,7 +240,12 @@ fn stream_decoder_holds_back_split_characters() {
 }
 
 /// SmolLM2's metadata with `tokenizer.ggml.pre` replaced and the reference's extra tokens appended.
-fn variant(md: &HashMap<String, Value>, pre: &str, extra_tokens: &[String], extra_merges: &[String]) -> HashMap<String, Value> {
+fn variant(
+    md: &HashMap<String, Value>,
+    pre: &str,
+    extra_tokens: &[String],
+    extra_merges: &[String],
+) -> HashMap<String, Value> {
     let mut md = md.clone();
     md.insert("tokenizer.ggml.pre".to_string(), Value::String(pre.to_string()));
     let mut append = |key: &str, vals: Vec<Value>| {
@@ -189,9 +254,18 @@ fn variant(md: &HashMap<String, Value>, pre: &str, extra_tokens: &[String], extr
         };
         arr.extend(vals);
     };
-    append("tokenizer.ggml.tokens", extra_tokens.iter().map(|t| Value::String(t.clone())).collect());
-    append("tokenizer.ggml.merges", extra_merges.iter().map(|m| Value::String(m.clone())).collect());
-    append("tokenizer.ggml.token_type", extra_tokens.iter().map(|_| Value::I32(1)).collect());
+    append(
+        "tokenizer.ggml.tokens",
+        extra_tokens.iter().map(|t| Value::String(t.clone())).collect(),
+    );
+    append(
+        "tokenizer.ggml.merges",
+        extra_merges.iter().map(|m| Value::String(m.clone())).collect(),
+    );
+    append(
+        "tokenizer.ggml.token_type",
+        extra_tokens.iter().map(|_| Value::I32(1)).collect(),
+    );
     md
 }
 
@@ -200,7 +274,12 @@ fn pre_tokenizers_match_llama_cpp() {
     let md = metadata();
     let reference = read_json("tokenizer/pretokenizer_reference.json");
     let strings = |key: &str| -> Vec<String> {
-        reference[key].as_array().unwrap().iter().map(|v| v.as_str().unwrap().to_string()).collect()
+        reference[key]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
     };
     let (extra_tokens, extra_merges) = (strings("extra_tokens"), strings("extra_merges"));
     let variants = reference["variants"].as_object().unwrap();
@@ -222,7 +301,10 @@ fn pre_tokenizers_match_llama_cpp() {
 fn gguf_errors_are_clear() {
     let md = metadata();
     let mut bad = md.clone();
-    bad.insert("tokenizer.ggml.pre".to_string(), Value::String("tekken".to_string()));
+    bad.insert(
+        "tokenizer.ggml.pre".to_string(),
+        Value::String("tekken".to_string()),
+    );
     let err = TextTokenizer::from_gguf(&bad).unwrap_err().to_string();
     assert_eq!(
         err,

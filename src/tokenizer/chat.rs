@@ -269,14 +269,9 @@ fn write_json(v: &Value, opts: &JsonOpts, level: usize, out: &mut String) -> Res
         ValueKind::String => write_json_str(v.as_str().unwrap_or_default(), opts, out),
         ValueKind::Seq | ValueKind::Iterable => {
             let items: Vec<Value> = v.try_iter()?.collect();
-            write_container(
-                ('[', ']'),
-                items.len(),
-                opts,
-                level,
-                out,
-                |i, out| write_json(&items[i], opts, level + 1, out),
-            )?;
+            write_container(('[', ']'), items.len(), opts, level, out, |i, out| {
+                write_json(&items[i], opts, level + 1, out)
+            })?;
         }
         ValueKind::Map => {
             let mut entries: Vec<(String, Value)> = v
@@ -398,7 +393,8 @@ mod tests {
 
     #[test]
     fn raise_exception_surfaces_message() {
-        let src = "{% if messages[0].role != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}";
+        let src =
+            "{% if messages[0].role != 'system' %}{{ raise_exception('need a system turn') }}{% endif %}";
         let err = render(src, &[Message::new("user", "x")], false)
             .unwrap_err()
             .to_string();
@@ -433,7 +429,10 @@ mod tests {
         // 2024-07-26 00:00:00 UTC (a Friday), LLaMA 3.1's default date.
         let t = 1_721_952_000;
         assert_eq!(strftime("%d %b %Y", t), "26 Jul 2024");
-        assert_eq!(strftime("%A %B %e %j %H:%M:%S %%", t), "Friday July 26 208 00:00:00 %");
+        assert_eq!(
+            strftime("%A %B %e %j %H:%M:%S %%", t),
+            "Friday July 26 208 00:00:00 %"
+        );
         assert_eq!(strftime("%Y-%m-%d", 0), "1970-01-01");
         assert_eq!(strftime("%F %a", 951_782_400), "2000-02-29 Tue");
         let (y, m, d) = civil_from_days(days_from_civil(2100, 3, 1));

@@ -384,7 +384,9 @@ mod tests {
             tokens.push(c.to_string());
             types.push(Value::I32(1));
         }
-        let merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"];
+        let merges = [
+            "h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d",
+        ];
         for m in merges {
             tokens.push(m.replace(' ', ""));
             types.push(Value::I32(1));
@@ -417,19 +419,10 @@ mod tests {
             let enc = tok
                 .encode("<|im_start|>hello world<think><|im_end|>", false)
                 .unwrap();
-            let want = vec![
-                1,
-                id(tok, "hello"),
-                id(tok, "Ġworld"),
-                id(tok, "<think>"),
-                2,
-            ];
+            let want = vec![1, id(tok, "hello"), id(tok, "Ġworld"), id(tok, "<think>"), 2];
             assert_eq!(enc.get_ids(), want.as_slice(), "pre={pre}");
             // Control tokens are skipped when decoding, user-defined ones are kept.
-            assert_eq!(
-                tok.decode(enc.get_ids(), true).unwrap(),
-                "hello world<think>"
-            );
+            assert_eq!(tok.decode(enc.get_ids(), true).unwrap(), "hello world<think>");
             assert_eq!(built.special.bos_id, Some(1));
             assert_eq!(built.special.eos_ids, vec![2]);
         }

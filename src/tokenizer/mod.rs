@@ -91,23 +91,24 @@ impl TextTokenizer {
         let ids_in = |v: Option<&Json>| -> Vec<u32> {
             match v {
                 Some(Json::Number(n)) => n.as_u64().map(|x| x as u32).into_iter().collect(),
-                Some(Json::Array(a)) => a
-                    .iter()
-                    .filter_map(|x| x.as_u64().map(|x| x as u32))
-                    .collect(),
+                Some(Json::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
                 _ => Vec::new(),
             }
         };
 
-        let bos_id = token_id("bos_token")
-            .or_else(|| ids_in(generation.as_ref().and_then(|g| g.get("bos_token_id"))).first().copied());
+        // BOS only from tokenizer_config.json, as transformers does: Qwen's is null there (and its
+        // templates must see an empty `bos_token`) even though generation_config.json names one.
+        let bos_id = token_id("bos_token");
         let mut eos_ids: Vec<u32> = token_id("eos_token").into_iter().collect();
         for id in ids_in(generation.as_ref().and_then(|g| g.get("eos_token_id"))) {
             if !eos_ids.contains(&id) {
                 eos_ids.push(id);
             }
         }
-        let add_bos = match config.and_then(|c| c.get("add_bos_token")).and_then(Json::as_bool) {
+        let add_bos = match config
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(Json::as_bool)
+        {
             Some(b) => b,
             // No explicit setting: the tokenizer.json post-processor is the convention (LLaMA 3's
             // TemplateProcessing prepends <|begin_of_text|>, Qwen's adds nothing).
@@ -145,11 +146,7 @@ impl TextTokenizer {
         ))
     }
 
-    fn assemble(
-        inner: tokenizers::Tokenizer,
-        special: SpecialTokens,
-        chat_template: Option<String>,
-    ) -> Self {
+    fn assemble(inner: tokenizers::Tokenizer, special: SpecialTokens, chat_template: Option<String>) -> Self {
         let mut stop_tokens = Vec::new();
         let candidates = special
             .eos_ids
@@ -224,22 +221,11 @@ impl TextTokenizer {
     }
 
     /// Renders `messages` with the model's chat template.
-    pub fn apply_chat_template(
-        &self,
-        messages: &[Message],
-        add_generation_prompt: bool,
-    ) -> Result<String> {
+    pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
         let Some(tmpl) = &self.chat_template else {
-            bail!(
-                "this model has no chat template; run with --no-chat-template to use the prompt as is"
-            );
+            bail!("this model has no chat template; run with --no-chat-template to use the prompt as is");
         };
-        tmpl.render(
-            messages,
-            add_generation_prompt,
-            &self.bos_token,
-            &self.eos_token,
-        )
+        tmpl.render(messages, add_generation_prompt, &self.bos_token, &self.eos_token)
     }
 
     /// The text of one token, special tokens included (`None` for an id outside the vocabulary).
@@ -261,8 +247,7 @@ fn read_json_opt(path: &Path) -> Result<Option<Json>> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
     let v = serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
     Ok(Some(v))
 }
@@ -283,7 +268,9 @@ fn template_from_config(v: &Json) -> Result<Option<String>> {
         Json::Null => Ok(None),
         Json::String(s) => Ok(Some(s.clone())),
         Json::Array(list) => {
-            let default = list.iter().find(|t| t.get("name").and_then(Json::as_str) == Some("default"));
+            let default = list
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"));
             match default {
                 Some(t) => Ok(t.get("template").and_then(Json::as_str).map(str::to_string)),
                 None => {
@@ -382,7 +369,10 @@ mod tests {
         let ids = tok.encode(&prompt).unwrap();
         assert_eq!(ids[0], 0);
         assert_eq!(ids.iter().filter(|&&i| i == 0).count(), 1);
-        assert!(ids.contains(&1), "special-token text in the prompt maps to its id");
+        assert!(
+            ids.contains(&1),
+            "special-token text in the prompt maps to its id"
+        );
     }
 
     #[test]
@@ -408,8 +398,11 @@ mod tests {
         assert_eq!(tok.apply_chat_template(&msgs, false).unwrap(), "DEFAULTx");
 
         // chat_template.jinja wins over tokenizer_config.json.
-        std::fs::write(dir.path().join("chat_template.jinja"), "JINJA{{ messages[0].role }}\n")
-            .unwrap();
+        std::fs::write(
+            dir.path().join("chat_template.jinja"),
+            "JINJA{{ messages[0].role }}\n",
+        )
+        .unwrap();
         let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
         assert_eq!(tok.apply_chat_template(&msgs, false).unwrap(), "JINJAuser");
     }
