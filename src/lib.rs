@@ -4,7 +4,9 @@
 //! logits propose future tokens, which form a token tree verified in one tree-attention forward pass.
 //! Output is token-identical to greedy decoding.
 
+pub mod bench;
 pub mod decode;
+pub mod kernels;
 pub mod model;
 pub mod cli;
 pub mod tokenizer;

@@ -1,0 +1,138 @@
+//! Machine and build facts for the summary: CPU model, threads, GPU name, git commit, UTC date and the
+//! exact command line. Every probe degrades to "unknown" rather than failing a run.
+
+use std::process::Command;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// The CPU model from /proc/cpuinfo ("model name", or "Model"/"Hardware" on ARM boards).
+pub fn cpu_model() -> String {
+    let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") else {
+        return "unknown".into();
+    };
+    for key in ["model name", "Model", "Hardware", "cpu model"] {
+        if let Some(v) = info.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            (k.trim() == key && !v.trim().is_empty()).then(|| v.trim().to_string())
+        }) {
+            return v;
+        }
+    }
+    "unknown".into()
+}
+
+pub fn threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}
+
+/// First line of a command's stdout, if it ran and succeeded.
+fn first_line(cmd: &mut Command) -> Option<String> {
+    let out = cmd.output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let s = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .next()?
+        .trim()
+        .to_string();
+    (!s.is_empty()).then_some(s)
+}
+
+/// Name of CUDA device 0, from nvidia-smi when it is installed.
+pub fn gpu_name() -> Option<String> {
+    first_line(Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader", "-i", "0"]))
+}
+
+/// The short commit of the source this binary was built from, "+dirty" when it has uncommitted changes.
+/// Asked of git at run time, in the crate's source folder when it still exists (the binary may be run
+/// from anywhere), else in the current folder.
+pub fn git_commit() -> String {
+    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = if src.is_dir() {
+        src.to_path_buf()
+    } else {
+        std::path::PathBuf::from(".")
+    };
+    let Some(commit) =
+        first_line(
+            Command::new("git")
+                .arg("-C")
+                .arg(&dir)
+                .args(["rev-parse", "--short", "HEAD"]),
+        )
+    else {
+        return "unknown".into();
+    };
+    let dirty = Command::new("git")
+        .arg("-C")
+        .arg(&dir)
+        .args(["status", "--porcelain", "--untracked-files=no"])
+        .output()
+        .map(|o| o.status.success() && !o.stdout.is_empty())
+        .unwrap_or(false);
+    if dirty {
+        format!("{commit}+dirty")
+    } else {
+        commit
+    }
+}
+
+/// The command line, each argument shell-quoted when it needs to be, so it can be pasted back.
+pub fn command_line() -> String {
+    std::env::args()
+        .map(|a| {
+            let plain = !a.is_empty()
+                && a.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "-_./=,:@+%".contains(c));
+            if plain {
+                a
+            } else {
+                format!("'{}'", a.replace('\'', r"'\''"))
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// Now as an RFC 3339 UTC timestamp, e.g. 2026-01-31T12:00:00Z.
+pub fn utc_now() -> String {
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    utc_date(secs)
+}
+
+/// Seconds since the epoch as an RFC 3339 UTC timestamp (civil-from-days, H. Hinnant), to avoid a date
+/// dependency for one line of the summary.
+pub fn utc_date(secs: u64) -> String {
+    let days = (secs / 86_400) as i64;
+    let rem = secs % 86_400;
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates() {
+        assert_eq!(utc_date(0), "1970-01-01T00:00:00Z");
+        assert_eq!(utc_date(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(utc_date(1_700_000_000), "2023-11-14T22:13:20Z");
+    }
+}

@@ -1,0 +1,419 @@
+//! Metrics from records, computed as Spec-Bench computes them, and their renderings: `summary.json` and
+//! the Markdown leaderboard table (`table.md`, also printed).
+//!
+//! - tau (#MAT): tokens committed by decoding calls over those calls, pooled over every step of the
+//!   group (prefill excluded), so long answers weigh by their steps, as in Spec-Bench.
+//! - speedup: per question, tokens/s = generated tokens over the summed wall time of its turns; the
+//!   group's speedup is the mean of that over the group's questions divided by the same mean for `ar`,
+//!   over the questions both finished.
+//! - lossless: every configuration's tokens against `ar`'s, per question and turn.
+//!
+//! Everything here is a pure function of the records and run.json, so `bench report` re-renders exactly
+//! what the run printed.
+
+use super::questions::{group_title, sort_groups};
+use super::records::{keep_complete, Record, RunInfo};
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+
+/// The configuration every other one is compared with.
+pub const REFERENCE: &str = "ar";
+/// Name of the all-questions column.
+pub const OVERALL: &str = "overall";
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GroupStats {
+    pub questions: usize,
+    pub turns: usize,
+    pub new_tokens: usize,
+    pub model_calls: usize,
+    pub committed: usize,
+    /// Pooled committed / model_calls; none when nothing was decoded after prefill.
+    pub tau: Option<f64>,
+    /// Mean over questions of per-question tokens/s.
+    pub tokens_per_second: Option<f64>,
+    /// Over `ar`, on the questions both finished; none without `ar` records.
+    pub speedup: Option<f64>,
+    pub wall_seconds: f64,
+    /// Turns whose tokens differ from `ar`'s.
+    pub mismatches: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConfigSummary {
+    pub config: String,
+    pub method: String,
+    pub bc: Option<usize>,
+    pub masks: Option<usize>,
+    /// Per group, `overall` included.
+    pub groups: BTreeMap<String, GroupStats>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Mismatch {
+    pub question_id: i64,
+    pub turn: usize,
+    pub config: String,
+    /// First index where the token lists differ (the shorter length when one is a prefix of the other).
+    pub first_diff: usize,
+    pub reference_tokens: usize,
+    pub config_tokens: usize,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Column order: groups in Spec-Bench order, then `overall`.
+    pub groups: Vec<String>,
+    pub configs: Vec<ConfigSummary>,
+    pub reference: Option<String>,
+    pub mismatches: Vec<Mismatch>,
+    pub questions: usize,
+    pub records: usize,
+    /// Records of conversations with a missing turn, left out of every metric.
+    pub incomplete_records: usize,
+}
+
+/// Per-question totals of one configuration.
+#[derive(Default)]
+struct QuestionTotals {
+    group: String,
+    turns: usize,
+    new_tokens: usize,
+    model_calls: usize,
+    committed: usize,
+    wall_seconds: f64,
+}
+
+impl QuestionTotals {
+    fn tokens_per_second(&self) -> Option<f64> {
+        (self.wall_seconds > 0.0).then(|| self.new_tokens as f64 / self.wall_seconds)
+    }
+}
+
+fn mean(xs: impl Iterator<Item = f64>) -> Option<f64> {
+    let (s, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    (n > 0).then(|| s / n as f64)
+}
+
+fn first_diff(a: &[u32], b: &[u32]) -> Option<usize> {
+    match a.iter().zip(b).position(|(x, y)| x != y) {
+        Some(i) => Some(i),
+        None if a.len() != b.len() => Some(a.len().min(b.len())),
+        None => None,
+    }
+}
+
+/// Computes every metric from the records (duplicates already removed).
+pub fn compute(records: Vec<Record>) -> Report {
+    let total = records.len();
+    let (records, incomplete_records) = keep_complete(records);
+
+    // Configurations: the reference first, then in order of first appearance (the run's order).
+    let mut order: Vec<String> = Vec::new();
+    for r in &records {
+        if !order.contains(&r.config) {
+            order.push(r.config.clone());
+        }
+    }
+    if let Some(i) = order.iter().position(|c| c == REFERENCE) {
+        let ar = order.remove(i);
+        order.insert(0, ar);
+    }
+    let reference = order.first().filter(|c| *c == REFERENCE).cloned();
+
+    let groups = sort_groups(records.iter().map(|r| r.group.clone()));
+    let mut per_q: HashMap<&str, BTreeMap<i64, QuestionTotals>> = HashMap::new();
+    let mut by_turn: HashMap<(i64, usize, &str), &Record> = HashMap::new();
+    for r in &records {
+        let t = per_q
+            .entry(r.config.as_str())
+            .or_default()
+            .entry(r.question_id)
+            .or_default();
+        t.group.clone_from(&r.group);
+        t.turns += 1;
+        t.new_tokens += r.new_tokens;
+        t.model_calls += r.model_calls;
+        t.committed += r.committed;
+        t.wall_seconds += r.wall_seconds;
+        by_turn.insert((r.question_id, r.turn, r.config.as_str()), r);
+    }
+
+    let mut mismatches = Vec::new();
+    if let Some(refc) = &reference {
+        let mut keys: Vec<(i64, usize, &str)> = by_turn.keys().copied().filter(|k| k.2 != refc).collect();
+        let rank: HashMap<&str, usize> = order.iter().enumerate().map(|(i, c)| (c.as_str(), i)).collect();
+        keys.sort_by_key(|k| (k.0, k.1, rank[k.2]));
+        for (q, turn, c) in keys {
+            let Some(a) = by_turn.get(&(q, turn, refc.as_str())) else {
+                continue;
+            };
+            let b = by_turn[&(q, turn, c)];
+            if let Some(i) = first_diff(&a.tokens, &b.tokens) {
+                mismatches.push(Mismatch {
+                    question_id: q,
+                    turn,
+                    config: c.to_string(),
+                    first_diff: i,
+                    reference_tokens: a.tokens.len(),
+                    config_tokens: b.tokens.len(),
+                });
+            }
+        }
+    }
+
+    let empty = BTreeMap::new();
+    let ref_q = reference.as_deref().and_then(|c| per_q.get(c)).unwrap_or(&empty);
+    let mut configs = Vec::new();
+    for c in &order {
+        let first = records
+            .iter()
+            .find(|r| &r.config == c)
+            .expect("config comes from the records");
+        let qs = &per_q[c.as_str()];
+        let mut stats = BTreeMap::new();
+        for g in groups.iter().map(String::as_str).chain([OVERALL]) {
+            let in_group = |t: &&QuestionTotals| g == OVERALL || t.group == g;
+            let mine: Vec<(&i64, &QuestionTotals)> = qs.iter().filter(|(_, t)| in_group(t)).collect();
+            let mut s = GroupStats {
+                questions: mine.len(),
+                ..Default::default()
+            };
+            for (_, t) in &mine {
+                s.turns += t.turns;
+                s.new_tokens += t.new_tokens;
+                s.model_calls += t.model_calls;
+                s.committed += t.committed;
+                s.wall_seconds += t.wall_seconds;
+            }
+            s.tau = (s.model_calls > 0).then(|| s.committed as f64 / s.model_calls as f64);
+            s.tokens_per_second = mean(mine.iter().filter_map(|(_, t)| t.tokens_per_second()));
+            // Speedup over the questions both this configuration and the reference finished.
+            let both: Vec<(&QuestionTotals, &QuestionTotals)> = mine
+                .iter()
+                .filter_map(|(q, t)| ref_q.get(q).map(|r| (*t, r)))
+                .collect();
+            let num = mean(both.iter().filter_map(|(t, _)| t.tokens_per_second()));
+            let den = mean(both.iter().filter_map(|(_, r)| r.tokens_per_second()));
+            s.speedup = match (num, den) {
+                (Some(n), Some(d)) if d > 0.0 => Some(n / d),
+                _ => None,
+            };
+            s.mismatches = mismatches
+                .iter()
+                .filter(|m| {
+                    &m.config == c && (g == OVERALL || qs.get(&m.question_id).is_some_and(|t| t.group == g))
+                })
+                .count();
+            stats.insert(g.to_string(), s);
+        }
+        configs.push(ConfigSummary {
+            config: c.clone(),
+            method: first.method.clone(),
+            bc: first.bc,
+            masks: first.masks,
+            groups: stats,
+        });
+    }
+    let questions = records
+        .iter()
+        .map(|r| r.question_id)
+        .collect::<std::collections::HashSet<_>>()
+        .len();
+    let mut columns = groups;
+    columns.push(OVERALL.to_string());
+    Report {
+        groups: columns,
+        configs,
+        reference,
+        mismatches,
+        questions,
+        records: total,
+        incomplete_records,
+    }
+}
+
+/// `summary.json`: the run's settings and invocations (machine and build facts) with the metrics.
+pub fn summary_json(run: &RunInfo, report: &Report) -> serde_json::Value {
+    serde_json::json!({
+        "settings": run.settings,
+        "invocations": run.invocations,
+        "reference": report.reference,
+        "groups": report.groups,
+        "questions": report.questions,
+        "records": report.records,
+        "incomplete_records": report.incomplete_records,
+        "mismatch_count": report.mismatches.len(),
+        "mismatches": report.mismatches,
+        "configs": report.configs,
+    })
+}
+
+/// The Markdown leaderboard: rows = configurations, columns = groups + overall, cells "tau / speedup",
+/// then a mismatch column; the mismatches are listed below it.
+pub fn render_table(run: &RunInfo, report: &Report) -> String {
+    let s = &run.settings;
+    let mut out = String::new();
+    out.push_str(&format!(
+        "Spec-Bench: {} ({}, {}), max {} new tokens, {} questions{}\n\n",
+        s.model_description,
+        s.device,
+        s.dtype,
+        s.max_new_tokens,
+        report.questions,
+        s.shard
+            .as_ref()
+            .map(|sh| format!(", shard {sh}"))
+            .unwrap_or_default()
+    ));
+    out.push_str("Cells: tau (#MAT, tokens committed per model call) / speedup over ar (mean tokens/s per question).\n\n");
+    let mut header = vec!["Configuration".to_string()];
+    header.extend(report.groups.iter().map(|g| group_title(g)));
+    header.push("Mismatches".into());
+    out.push_str(&format!("| {} |\n", header.join(" | ")));
+    let mut rule = vec!["---".to_string()];
+    rule.extend(std::iter::repeat_n("---:".to_string(), header.len() - 1));
+    out.push_str(&format!("| {} |\n", rule.join(" | ")));
+    for c in &report.configs {
+        let mut row = vec![c.config.clone()];
+        for g in &report.groups {
+            row.push(match c.groups.get(g) {
+                Some(st) if st.questions > 0 => format!(
+                    "{} / {}",
+                    st.tau.map(|t| format!("{t:.2}")).unwrap_or_else(|| "-".into()),
+                    st.speedup
+                        .map(|x| format!("{x:.2}x"))
+                        .unwrap_or_else(|| "-".into())
+                ),
+                _ => "-".into(),
+            });
+        }
+        let is_ref = report.reference.as_deref() == Some(c.config.as_str());
+        row.push(if is_ref || report.reference.is_none() {
+            "-".into()
+        } else {
+            c.groups
+                .get(OVERALL)
+                .map(|st| st.mismatches.to_string())
+                .unwrap_or_default()
+        });
+        out.push_str(&format!("| {} |\n", row.join(" | ")));
+    }
+    if report.reference.is_none() {
+        out.push_str("\nNo `ar` records: speedups and the lossless check need the ar configuration.\n");
+    } else if !report.mismatches.is_empty() {
+        const SHOWN: usize = 50;
+        out.push_str(&format!(
+            "\n{} turn(s) differ from ar (question, turn, configuration, first differing token):\n",
+            report.mismatches.len()
+        ));
+        for m in report.mismatches.iter().take(SHOWN) {
+            out.push_str(&format!(
+                "- question {} turn {} {}: token {} (ar {} tokens, {} {} tokens)\n",
+                m.question_id, m.turn, m.config, m.first_diff, m.reference_tokens, m.config, m.config_tokens
+            ));
+        }
+        if report.mismatches.len() > SHOWN {
+            out.push_str(&format!(
+                "- ... {} more in summary.json\n",
+                report.mismatches.len() - SHOWN
+            ));
+        }
+    }
+    if report.incomplete_records > 0 {
+        out.push_str(&format!(
+            "\n{} record(s) of unfinished conversations are left out.\n",
+            report.incomplete_records
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(clippy::too_many_arguments)]
+    fn rec(
+        q: i64,
+        group: &str,
+        turn: usize,
+        turns: usize,
+        config: &str,
+        new: usize,
+        calls: usize,
+        wall: f64,
+        tokens: Vec<u32>,
+    ) -> Record {
+        Record {
+            question_id: q,
+            category: group.into(),
+            group: group.into(),
+            turn,
+            turns,
+            config: config.into(),
+            method: config.split('-').next().unwrap().into(),
+            bc: None,
+            masks: None,
+            prompt_tokens: 4,
+            new_tokens: new,
+            model_calls: calls,
+            committed: new - 1,
+            tau: (new - 1) as f64 / calls as f64,
+            decode_seconds: wall,
+            prefill_seconds: 0.0,
+            wall_seconds: wall,
+            tokens,
+            finish_reason: "max_new_tokens".into(),
+        }
+    }
+
+    #[test]
+    fn spec_bench_metrics() {
+        let t = vec![1, 2, 3, 4, 5];
+        let records = vec![
+            // q1, two turns: ar 10 tokens in 2 s (5 tok/s); esp 10 tokens in 1 s (10 tok/s).
+            rec(1, "mt_bench", 1, 2, "ar", 5, 4, 1.0, t.clone()),
+            rec(1, "mt_bench", 2, 2, "ar", 5, 4, 1.0, t.clone()),
+            rec(1, "mt_bench", 1, 2, "esp-bc30-k1", 5, 2, 0.5, t.clone()),
+            rec(1, "mt_bench", 2, 2, "esp-bc30-k1", 5, 1, 0.5, vec![1, 2, 9]),
+            // q2: ar 5 tok/s, esp 20 tok/s.
+            rec(2, "qa", 1, 1, "ar", 5, 4, 1.0, t.clone()),
+            rec(2, "qa", 1, 1, "esp-bc30-k1", 5, 1, 0.25, t.clone()),
+            // q3: esp only turn 1 of 2: incomplete, left out.
+            rec(3, "qa", 1, 2, "esp-bc30-k1", 5, 1, 0.25, t.clone()),
+        ];
+        let r = compute(records);
+        assert_eq!(r.groups, vec!["mt_bench", "qa", "overall"]);
+        assert_eq!(r.incomplete_records, 1);
+        assert_eq!(r.configs[0].config, "ar");
+        let esp = &r.configs[1];
+        let mt = &esp.groups["mt_bench"];
+        assert_eq!(mt.tau, Some(8.0 / 3.0));
+        assert_eq!(mt.speedup, Some(2.0));
+        let all = &esp.groups["overall"];
+        // mean(10, 20) / mean(5, 5) = 3.
+        assert!((all.speedup.unwrap() - 3.0).abs() < 1e-12);
+        assert_eq!(all.tau, Some(12.0 / 4.0));
+        assert_eq!(
+            r.mismatches,
+            vec![Mismatch {
+                question_id: 1,
+                turn: 2,
+                config: "esp-bc30-k1".into(),
+                first_diff: 2,
+                reference_tokens: 5,
+                config_tokens: 3
+            }]
+        );
+        assert_eq!((mt.mismatches, esp.groups["qa"].mismatches), (1, 0));
+        assert_eq!(r.configs[0].groups["overall"].speedup, Some(1.0));
+    }
+
+    #[test]
+    fn first_diff_of_prefixes() {
+        assert_eq!(first_diff(&[1, 2], &[1, 2]), None);
+        assert_eq!(first_diff(&[1, 2], &[1, 2, 3]), Some(2));
+        assert_eq!(first_diff(&[1, 2], &[1, 3]), Some(1));
+    }
+}
