@@ -3,6 +3,9 @@
 use crate::decode::ar::Autoregressive;
 use crate::decode::esp::{Esp, EspConfig, MaskInit, TreeShape};
 use crate::decode::generate::{generate, Drafter, GenerateParams};
+use crate::decode::hybrid::{Hybrid, HybridConfig, HybridMode};
+use crate::decode::lookahead::{Lookahead, LookaheadConfig};
+use crate::decode::pld::{Pld, PldConfig};
 use crate::decode::sampling::SamplingParams;
 use crate::decode::tree::node_budget;
 use crate::model::load::LoadOptions;
@@ -15,7 +18,7 @@ use std::io::{Read, Write};
 
 #[derive(Parser, Debug)]
 #[command(name = "probespec", version, about = "Faster lossless generation from a frozen LLM by embedding-space probing")]
-#[command(args_conflicts_with_subcommands = true)]
+#[command(args_conflicts_with_subcommands = true, allow_negative_numbers = true)]
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -27,6 +30,8 @@ pub struct Cli {
 enum Command {
     /// Generate a reply to a prompt (the default command).
     Generate(GenerateArgs),
+    /// Spec-Bench benchmark: `bench --questions FILE`, `bench report DIR`, `bench merge OUT DIR...`.
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -59,6 +64,20 @@ pub enum DTypeArg {
 pub enum MethodArg {
     Ar,
     Esp,
+    /// Prompt Lookup Decoding: an n-gram match in the prompt and output drafts a chain.
+    Pld,
+    /// Lookahead decoding: a Jacobi window and an n-gram pool (one Jacobi level).
+    Lookahead,
+    /// ESP's mask candidates, prompt lookup and n-gram continuations in one tree under one --bc.
+    Hybrid,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HybridModeArg {
+    /// Every candidate source scored by its learnt acceptance, the best nodes kept.
+    Scored,
+    /// The prompt-lookup chain, then ESP's candidates fill the budget.
+    Simple,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -95,6 +114,33 @@ pub struct MethodArgs {
     /// Mask update rate: m <- m + lambda (e - m) per committed token.
     #[arg(long, default_value_t = 0.1)]
     pub mask_lambda: f32,
+    /// pld, hybrid: longest suffix matched against the prompt and output (n = this down to 1).
+    #[arg(long, default_value_t = 3)]
+    pub ngram: usize,
+    /// pld, hybrid: most tokens drafted from one match.
+    #[arg(long, default_value_t = 10)]
+    pub draft_len: usize,
+    /// lookahead: window W (Jacobi probe rows per step).
+    #[arg(long, default_value_t = 7)]
+    pub lookahead_window: usize,
+    /// lookahead: n-gram size N.
+    #[arg(long, default_value_t = 5)]
+    pub lookahead_ngram: usize,
+    /// lookahead: most verification candidates G per step.
+    #[arg(long, default_value_t = 7)]
+    pub lookahead_guesses: usize,
+    /// hybrid: how the candidate sources share the node budget.
+    #[arg(long, value_enum, default_value_t = HybridModeArg::Scored)]
+    pub hybrid_mode: HybridModeArg,
+}
+
+impl Default for MethodArgs {
+    /// The defaults of the flags above (what `probespec generate` gets without them).
+    fn default() -> Self {
+        use clap::FromArgMatches;
+        let m = MethodArgs::augment_args(clap::Command::new("defaults")).get_matches_from(["defaults"]);
+        MethodArgs::from_arg_matches(&m).expect("every method flag has a default")
+    }
 }
 
 #[derive(Args, Debug, Clone)]
@@ -145,6 +191,7 @@ pub fn main() -> i32 {
     };
     let result = match cli.command {
         Some(Command::Generate(args)) => run_generate(&args),
+        Some(Command::Bench(args)) => crate::bench::run(&args),
         None => run_generate(&cli.generate),
     };
     match result {
@@ -200,14 +247,41 @@ pub fn make_drafter(m: &MethodArgs, seed: u64) -> Result<Box<dyn Drafter>> {
                 (None, TreeArg::Dynamic) => TreeShape::Dynamic { budget: budget(m)? },
                 (None, TreeArg::Static) => TreeShape::Static { branches: default_branches(budget(m)?, m.masks) },
             };
-            let init = match m.mask_init {
-                MaskInitArg::Mean => MaskInit::Mean,
-                MaskInitArg::Normal => MaskInit::Normal,
-                MaskInitArg::Last => MaskInit::Last,
-            };
+            let init = mask_init(m.mask_init);
             Box::new(Esp::new(EspConfig { masks: m.masks, tree, lambda: m.mask_lambda, init, seed })?)
         }
+        MethodArg::Pld => Box::new(Pld::new(PldConfig { max_ngram: m.ngram, draft_len: m.draft_len })?),
+        MethodArg::Lookahead => Box::new(Lookahead::new(LookaheadConfig {
+            window: m.lookahead_window,
+            ngram: m.lookahead_ngram,
+            guesses: m.lookahead_guesses,
+            seed,
+        })?),
+        MethodArg::Hybrid => {
+            if !(0.0..=1.0).contains(&m.mask_lambda) {
+                bail!("--mask-lambda must be in [0, 1] (got {})", m.mask_lambda);
+            }
+            let mut c = HybridConfig::new(m.masks, budget(m)?);
+            c.max_ngram = m.ngram;
+            c.draft_len = m.draft_len;
+            c.lambda = m.mask_lambda;
+            c.init = mask_init(m.mask_init);
+            c.seed = seed;
+            c.mode = match m.hybrid_mode {
+                HybridModeArg::Scored => HybridMode::Scored,
+                HybridModeArg::Simple => HybridMode::Simple,
+            };
+            Box::new(Hybrid::new(c)?)
+        }
     })
+}
+
+fn mask_init(a: MaskInitArg) -> MaskInit {
+    match a {
+        MaskInitArg::Mean => MaskInit::Mean,
+        MaskInitArg::Normal => MaskInit::Normal,
+        MaskInitArg::Last => MaskInit::Last,
+    }
 }
 
 fn budget(m: &MethodArgs) -> Result<usize> {

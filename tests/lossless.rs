@@ -40,7 +40,7 @@ fn prompts(n: usize, len: std::ops::Range<usize>, seed: u64) -> Vec<Vec<u32>> {
 }
 
 pub fn method(method: MethodArg, bc: usize, masks: usize, tree: TreeArg, branches: Option<Vec<usize>>) -> MethodArgs {
-    MethodArgs { method, bc, masks, tree, branches, mask_init: MaskInitArg::Mean, mask_lambda: 0.1 }
+    MethodArgs { method, bc, masks, tree, branches, mask_init: MaskInitArg::Mean, mask_lambda: 0.1, ..MethodArgs::default() }
 }
 
 /// Every ESP configuration the issue names.

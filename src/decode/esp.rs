@@ -91,6 +91,30 @@ impl MaskEmbedding {
     pub fn vector(&self, j: usize) -> &[f32] {
         &self.vectors[j]
     }
+
+    /// One update per committed token, in order.
+    pub fn update_with_tokens(&mut self, model: &Transformer, committed: &[u32]) -> Result<()> {
+        let emb = model.embed(committed)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        for e in &emb {
+            self.update(e);
+        }
+        Ok(())
+    }
+
+    /// The input rows of mask probes: probe (owner, j) gets mask vector j.
+    pub fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
+        let d = model.config.hidden_size;
+        let mut data = Vec::with_capacity(probes.len() * d);
+        for p in probes {
+            data.extend_from_slice(self.vector(p.offset - 1));
+        }
+        Ok(Tensor::from_vec(data, (probes.len(), d), &model.device)?)
+    }
+}
+
+/// The candidate lists for the next tree from the masks' logits (mask j -> depth j), `n` tokens each.
+pub fn mask_candidates(probe_logits: &[Vec<f32>], n: usize) -> Vec<Candidates> {
+    probe_logits.iter().map(|row| top_candidates(row, n)).collect()
 }
 
 pub struct Esp {
@@ -151,23 +175,12 @@ impl Drafter for Esp {
     }
 
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
-        let masks = self.masks.as_ref().expect("begin() runs before probe_inputs()");
-        let d = model.config.hidden_size;
-        let mut data = Vec::with_capacity(probes.len() * d);
-        for p in probes {
-            data.extend_from_slice(masks.vector(p.offset - 1));
-        }
-        Ok(Tensor::from_vec(data, (probes.len(), d), &model.device)?)
+        self.masks.as_ref().expect("begin() runs before probe_inputs()").probe_inputs(model, probes)
     }
 
     fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
-        let emb = model.embed(committed)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let masks = self.masks.as_mut().expect("begin() runs before observe()");
-        for e in &emb {
-            masks.update(e);
-        }
-        let n = self.candidates_needed();
-        self.dists = probe_logits.iter().map(|row| top_candidates(row, n)).collect();
+        self.masks.as_mut().expect("begin() runs before observe()").update_with_tokens(model, committed)?;
+        self.dists = mask_candidates(probe_logits, self.candidates_needed());
         Ok(())
     }
 }

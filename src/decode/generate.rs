@@ -37,8 +37,15 @@ pub trait Drafter {
     /// Input vectors for probe rows `[probes.len(), hidden]`.
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor>;
     /// After a step: the tokens it committed (accepted drafts, then the bonus token), and the logits of the
-    /// probes owned by the deepest accepted node, ordered by offset (empty when it had none).
+    /// probes owned by node [`Drafter::probe_owner`] (by default the deepest accepted node), ordered by
+    /// offset (empty when it had none). After prefill: the first token and the prefill probes' logits.
     fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()>;
+    /// Whose probes' logits `observe` gets, given the deepest accepted node of the step (the root, 0, when
+    /// nothing was accepted). ESP reads the masks of the deepest accepted node (the default); lookahead's
+    /// Jacobi window belongs to the root whatever was accepted.
+    fn probe_owner(&self, deepest: usize) -> usize {
+        deepest
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -156,10 +163,10 @@ pub fn generate(
 
         let t_verify = Instant::now();
         let (accepted, bonus) = accept_with(&draft.tree, |n| sampler.pick(&node_logits[n]));
-        let deepest = accepted.last().copied().unwrap_or(0);
+        let owner = drafter.probe_owner(accepted.last().copied().unwrap_or(0));
         let probe_rows: Vec<usize> = {
             let mut owned: Vec<(usize, usize)> = (1..)
-                .map_while(|offset| layout.probe_row(deepest, offset).map(|r| (offset, r)))
+                .map_while(|offset| layout.probe_row(owner, offset).map(|r| (offset, r)))
                 .collect();
             owned.sort();
             owned.into_iter().map(|(_, r)| r).collect()

@@ -52,7 +52,14 @@ impl TinySpec {
 
     pub fn qwen3() -> Self {
         // Qwen 3 has an explicit head_dim that need not be hidden / heads.
-        TinySpec { arch: TinyArch::Qwen3, head_dim: 24, tied: true, seed: 2, scale: 0.3, ..Self::llama() }
+        TinySpec {
+            arch: TinyArch::Qwen3,
+            head_dim: 24,
+            tied: true,
+            seed: 2,
+            scale: 0.3,
+            ..Self::llama()
+        }
     }
 
     pub fn config_json(&self) -> serde_json::Value {
@@ -124,17 +131,38 @@ impl TinySpec {
             };
             norm("input_layernorm", d, &mut w, randn(&[d], 0.1));
             norm("post_attention_layernorm", d, &mut w, randn(&[d], 0.1));
-            w.insert(format!("{p}.self_attn.q_proj.weight"), randn(&[self.heads * hd, d], s));
-            w.insert(format!("{p}.self_attn.k_proj.weight"), randn(&[self.kv_heads * hd, d], s));
-            w.insert(format!("{p}.self_attn.v_proj.weight"), randn(&[self.kv_heads * hd, d], s));
-            w.insert(format!("{p}.self_attn.o_proj.weight"), randn(&[d, self.heads * hd], s));
+            w.insert(
+                format!("{p}.self_attn.q_proj.weight"),
+                randn(&[self.heads * hd, d], s),
+            );
+            w.insert(
+                format!("{p}.self_attn.k_proj.weight"),
+                randn(&[self.kv_heads * hd, d], s),
+            );
+            w.insert(
+                format!("{p}.self_attn.v_proj.weight"),
+                randn(&[self.kv_heads * hd, d], s),
+            );
+            w.insert(
+                format!("{p}.self_attn.o_proj.weight"),
+                randn(&[d, self.heads * hd], s),
+            );
             if self.arch == TinyArch::Qwen3 {
                 norm("self_attn.q_norm", hd, &mut w, randn(&[hd], 0.1));
                 norm("self_attn.k_norm", hd, &mut w, randn(&[hd], 0.1));
             }
-            w.insert(format!("{p}.mlp.gate_proj.weight"), randn(&[self.intermediate, d], s));
-            w.insert(format!("{p}.mlp.up_proj.weight"), randn(&[self.intermediate, d], s));
-            w.insert(format!("{p}.mlp.down_proj.weight"), randn(&[d, self.intermediate], s));
+            w.insert(
+                format!("{p}.mlp.gate_proj.weight"),
+                randn(&[self.intermediate, d], s),
+            );
+            w.insert(
+                format!("{p}.mlp.up_proj.weight"),
+                randn(&[self.intermediate, d], s),
+            );
+            w.insert(
+                format!("{p}.mlp.down_proj.weight"),
+                randn(&[d, self.intermediate], s),
+            );
         }
         w.insert("model.norm.weight".into(), (randn(&[d], 0.1) + 1.0).unwrap());
         if !self.tied {
@@ -161,8 +189,12 @@ impl TinySpec {
         std::fs::create_dir_all(dir).unwrap();
         std::fs::write(dir.join("config.json"), self.config_json().to_string()).unwrap();
         candle_core::safetensors::save(&self.weights(), dir.join("model.safetensors")).unwrap();
-        let vocab: serde_json::Map<String, serde_json::Value> =
-            self.vocab_strings().into_iter().enumerate().map(|(i, s)| (s, json!(i))).collect();
+        let vocab: serde_json::Map<String, serde_json::Value> = self
+            .vocab_strings()
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| (s, json!(i)))
+            .collect();
         let added: Vec<serde_json::Value> = (0..4)
             .map(|i| json!({"id": i, "content": self.vocab_strings()[i], "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
             .collect();
@@ -196,31 +228,74 @@ impl TinySpec {
         };
         let w = self.weights();
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
-        let mut add = |name: String, t: &Tensor| tensors.push((name, QTensor::quantize(t, candle_core::quantized::GgmlDType::F32).unwrap()));
+        let mut add = |name: String, t: &Tensor| {
+            tensors.push((
+                name,
+                QTensor::quantize(t, candle_core::quantized::GgmlDType::F32).unwrap(),
+            ))
+        };
         let permute = |t: &Tensor, heads: usize| -> Tensor {
             if self.arch != TinyArch::Llama {
                 return t.clone();
             }
             let (rows, cols) = t.dims2().unwrap();
-            t.reshape((heads, 2, rows / heads / 2, cols)).unwrap().transpose(1, 2).unwrap().reshape((rows, cols)).unwrap()
+            t.reshape((heads, 2, rows / heads / 2, cols))
+                .unwrap()
+                .transpose(1, 2)
+                .unwrap()
+                .reshape((rows, cols))
+                .unwrap()
         };
         add("token_embd.weight".into(), &w["model.embed_tokens.weight"]);
         for i in 0..self.layers {
             let p = format!("model.layers.{i}");
             let b = format!("blk.{i}");
-            add(format!("{b}.attn_norm.weight"), &w[&format!("{p}.input_layernorm.weight")]);
-            add(format!("{b}.ffn_norm.weight"), &w[&format!("{p}.post_attention_layernorm.weight")]);
-            add(format!("{b}.attn_q.weight"), &permute(&w[&format!("{p}.self_attn.q_proj.weight")], self.heads));
-            add(format!("{b}.attn_k.weight"), &permute(&w[&format!("{p}.self_attn.k_proj.weight")], self.kv_heads));
-            add(format!("{b}.attn_v.weight"), &w[&format!("{p}.self_attn.v_proj.weight")]);
-            add(format!("{b}.attn_output.weight"), &w[&format!("{p}.self_attn.o_proj.weight")]);
+            add(
+                format!("{b}.attn_norm.weight"),
+                &w[&format!("{p}.input_layernorm.weight")],
+            );
+            add(
+                format!("{b}.ffn_norm.weight"),
+                &w[&format!("{p}.post_attention_layernorm.weight")],
+            );
+            add(
+                format!("{b}.attn_q.weight"),
+                &permute(&w[&format!("{p}.self_attn.q_proj.weight")], self.heads),
+            );
+            add(
+                format!("{b}.attn_k.weight"),
+                &permute(&w[&format!("{p}.self_attn.k_proj.weight")], self.kv_heads),
+            );
+            add(
+                format!("{b}.attn_v.weight"),
+                &w[&format!("{p}.self_attn.v_proj.weight")],
+            );
+            add(
+                format!("{b}.attn_output.weight"),
+                &w[&format!("{p}.self_attn.o_proj.weight")],
+            );
             if self.arch == TinyArch::Qwen3 {
-                add(format!("{b}.attn_q_norm.weight"), &w[&format!("{p}.self_attn.q_norm.weight")]);
-                add(format!("{b}.attn_k_norm.weight"), &w[&format!("{p}.self_attn.k_norm.weight")]);
+                add(
+                    format!("{b}.attn_q_norm.weight"),
+                    &w[&format!("{p}.self_attn.q_norm.weight")],
+                );
+                add(
+                    format!("{b}.attn_k_norm.weight"),
+                    &w[&format!("{p}.self_attn.k_norm.weight")],
+                );
             }
-            add(format!("{b}.ffn_gate.weight"), &w[&format!("{p}.mlp.gate_proj.weight")]);
-            add(format!("{b}.ffn_up.weight"), &w[&format!("{p}.mlp.up_proj.weight")]);
-            add(format!("{b}.ffn_down.weight"), &w[&format!("{p}.mlp.down_proj.weight")]);
+            add(
+                format!("{b}.ffn_gate.weight"),
+                &w[&format!("{p}.mlp.gate_proj.weight")],
+            );
+            add(
+                format!("{b}.ffn_up.weight"),
+                &w[&format!("{p}.mlp.up_proj.weight")],
+            );
+            add(
+                format!("{b}.ffn_down.weight"),
+                &w[&format!("{p}.mlp.down_proj.weight")],
+            );
         }
         add("output_norm.weight".into(), &w["model.norm.weight"]);
         if !self.tied {
@@ -231,18 +306,50 @@ impl TinySpec {
             ("general.architecture".into(), V::String(arch.into())),
             (format!("{arch}.context_length"), V::U32(self.max_pos as u32)),
             (format!("{arch}.embedding_length"), V::U32(self.hidden as u32)),
-            (format!("{arch}.feed_forward_length"), V::U32(self.intermediate as u32)),
+            (
+                format!("{arch}.feed_forward_length"),
+                V::U32(self.intermediate as u32),
+            ),
             (format!("{arch}.block_count"), V::U32(self.layers as u32)),
             (format!("{arch}.attention.head_count"), V::U32(self.heads as u32)),
-            (format!("{arch}.attention.head_count_kv"), V::U32(self.kv_heads as u32)),
-            (format!("{arch}.attention.key_length"), V::U32(self.head_dim as u32)),
-            (format!("{arch}.rope.dimension_count"), V::U32(self.head_dim as u32)),
-            (format!("{arch}.attention.layer_norm_rms_epsilon"), V::F32(if self.arch == TinyArch::Llama { 1e-5 } else { 1e-6 })),
-            (format!("{arch}.rope.freq_base"), V::F32(if self.arch == TinyArch::Llama { 500000.0 } else { 1000000.0 })),
+            (
+                format!("{arch}.attention.head_count_kv"),
+                V::U32(self.kv_heads as u32),
+            ),
+            (
+                format!("{arch}.attention.key_length"),
+                V::U32(self.head_dim as u32),
+            ),
+            (
+                format!("{arch}.rope.dimension_count"),
+                V::U32(self.head_dim as u32),
+            ),
+            (
+                format!("{arch}.attention.layer_norm_rms_epsilon"),
+                V::F32(if self.arch == TinyArch::Llama { 1e-5 } else { 1e-6 }),
+            ),
+            (
+                format!("{arch}.rope.freq_base"),
+                V::F32(if self.arch == TinyArch::Llama {
+                    500000.0
+                } else {
+                    1000000.0
+                }),
+            ),
             ("tokenizer.ggml.model".into(), V::String("gpt2".into())),
             ("tokenizer.ggml.pre".into(), V::String("gpt-2".into())),
-            ("tokenizer.ggml.tokens".into(), V::Array(self.vocab_strings().into_iter().map(V::String).collect())),
-            ("tokenizer.ggml.token_type".into(), V::Array((0..self.vocab).map(|i| V::I32(if i < 4 { 3 } else { 1 })).collect())),
+            (
+                "tokenizer.ggml.tokens".into(),
+                V::Array(self.vocab_strings().into_iter().map(V::String).collect()),
+            ),
+            (
+                "tokenizer.ggml.token_type".into(),
+                V::Array(
+                    (0..self.vocab)
+                        .map(|i| V::I32(if i < 4 { 3 } else { 1 }))
+                        .collect(),
+                ),
+            ),
             ("tokenizer.ggml.merges".into(), V::Array(vec![])),
             ("tokenizer.ggml.bos_token_id".into(), V::U32(1)),
             ("tokenizer.ggml.eos_token_id".into(), V::U32(2)),
@@ -251,11 +358,21 @@ impl TinySpec {
             // llama.cpp stores LLaMA 3.1 rope scaling as per-frequency factors.
             let cfg: probespec::model::ModelConfig =
                 probespec::model::ModelConfig::from_hf_json(&self.config_json().to_string()).unwrap();
-            let plain = probespec::model::ModelConfig { rope_scaling: None, ..cfg.clone() };
-            let factors: Vec<f32> =
-                plain.rope_inv_freq().iter().zip(cfg.rope_inv_freq()).map(|(a, b)| a / b).collect();
+            let plain = probespec::model::ModelConfig {
+                rope_scaling: None,
+                ..cfg.clone()
+            };
+            let factors: Vec<f32> = plain
+                .rope_inv_freq()
+                .iter()
+                .zip(cfg.rope_inv_freq())
+                .map(|(a, b)| a / b)
+                .collect();
             let n = factors.len();
-            add("rope_freqs.weight".into(), &Tensor::from_vec(factors, n, &Device::Cpu).unwrap());
+            add(
+                "rope_freqs.weight".into(),
+                &Tensor::from_vec(factors, n, &Device::Cpu).unwrap(),
+            );
         }
         let md_refs: Vec<(&str, &V)> = md.iter().map(|(k, v)| (k.as_str(), v)).collect();
         let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();

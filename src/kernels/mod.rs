@@ -1,0 +1,16 @@
+//! CPU compute kernels that the model calls instead of candle's own where bit-exactness matters.
+//!
+//! Speculative decoding is only lossless if the verifier, which pushes a block of draft tokens through
+//! the model in one pass, computes for each token exactly the numbers plain decoding computes for it
+//! alone. candle's CPU matmul does not give that: its blocking, hence the order in which a dot
+//! product's terms are summed, depends on the number of rows (with candle 0.11.1 about 90% of the
+//! elements of a 17-row product differ in their last bits from the same rows multiplied one at a
+//! time), which is enough to flip a greedy argmax now and then.
+//!
+//! [`matmul_xwt`] (and its tensor wrapper [`linear_f32`]) computes `x · Wᵀ` with a per-element
+//! reduction order fixed independently of the number of rows, the other rows, tiling and threading,
+//! and is memory-bandwidth bound for the few rows of decoding and verification.
+
+pub mod matmul;
+
+pub use matmul::{linear_f32, matmul_xwt};
