@@ -98,8 +98,9 @@ pub struct MethodArgs {
     /// Decoding method.
     #[arg(long, value_enum, default_value_t = MethodArg::Esp)]
     pub method: MethodArg,
-    /// Block complexity: tokens per forward pass, masks included, (k+1)(1 + sum K_i).
-    #[arg(long, default_value_t = 30)]
+    /// Block complexity: tokens per forward pass, masks included, (k+1)(1 + sum K_i); "auto" picks it per
+    /// step from the measured forward cost and the observed acceptance (stored as 0).
+    #[arg(long, default_value = "30", value_parser = parse_bc)]
     pub bc: usize,
     /// Mask tokens per tree node (k).
     #[arg(long, default_value_t = 1)]
@@ -244,6 +245,7 @@ pub fn make_drafter(m: &MethodArgs, seed: u64) -> Result<Box<dyn Drafter>> {
             }
             let tree = match (&m.branches, m.tree) {
                 (Some(b), _) => TreeShape::Static { branches: b.clone() },
+                (None, _) if m.bc == BC_AUTO => TreeShape::Auto,
                 (None, TreeArg::Dynamic) => TreeShape::Dynamic { budget: budget(m)? },
                 (None, TreeArg::Static) => TreeShape::Static { branches: default_branches(budget(m)?, m.masks) },
             };
@@ -284,9 +286,26 @@ fn mask_init(a: MaskInitArg) -> MaskInit {
     }
 }
 
+/// `--bc` value: a number, or "auto" ([`BC_AUTO`]).
+pub fn parse_bc(s: &str) -> std::result::Result<usize, String> {
+    match s {
+        "auto" => Ok(BC_AUTO),
+        _ => match s.parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("'{s}' is not a block complexity (a positive number or 'auto')")),
+        },
+    }
+}
+
+/// The stored value of `--bc auto`.
+pub const BC_AUTO: usize = 0;
+
 fn budget(m: &MethodArgs) -> Result<usize> {
     if !(1..=3).contains(&m.masks) {
         bail!("--masks must be 1, 2 or 3 (got {})", m.masks);
+    }
+    if m.bc == BC_AUTO {
+        bail!("--bc auto works with --method esp and a dynamic tree only");
     }
     node_budget(m.bc, m.masks).map_err(|e| anyhow::anyhow!(e))
 }

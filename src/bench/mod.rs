@@ -69,8 +69,8 @@ pub struct BenchRunArgs {
     /// Methods to compare; ar is the reference of speedups and of the lossless check.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MethodArg::Ar, MethodArg::Esp])]
     pub methods: Vec<MethodArg>,
-    /// Block complexities to try for esp and hybrid (one configuration each, times --masks).
-    #[arg(long, value_delimiter = ',', default_values_t = [30])]
+    /// Block complexities to try for esp and hybrid (one configuration each, times --masks); "auto" for esp.
+    #[arg(long, value_delimiter = ',', default_values = ["30"], value_parser = crate::cli::parse_bc)]
     pub bc: Vec<usize>,
     /// Mask counts (k) to try for esp and hybrid.
     #[arg(long, value_delimiter = ',', default_values_t = [1])]

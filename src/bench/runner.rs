@@ -70,7 +70,11 @@ pub fn configurations(a: &BenchRunArgs) -> Result<Vec<BenchConfig>> {
                 for &bc in &a.bc {
                     for &k in &a.masks {
                         out.push(BenchConfig {
-                            name: format!("{name}-bc{bc}-k{k}"),
+                            name: if bc == crate::cli::BC_AUTO {
+                                format!("{name}-bcauto-k{k}")
+                            } else {
+                                format!("{name}-bc{bc}-k{k}")
+                            },
                             method: name.clone(),
                             bc: Some(bc),
                             masks: Some(k),

@@ -2,9 +2,10 @@
 //! appended to every tree node; mask j of a node sits j positions after it, so its logits guess the token
 //! j + 1 places after that node. The masks of the deepest accepted node seed the next step's tree.
 
+use super::auto_bc::{self, AutoBudget, CostCurve};
 use super::generate::{Draft, Drafter};
 use super::sampling::top_candidates;
-use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe};
+use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe, TokenTree};
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
@@ -25,6 +26,9 @@ pub enum MaskInit {
 pub enum TreeShape {
     /// ESP Algorithm 1: best-first by cumulative probability within `budget` nodes (sum K_i).
     Dynamic { budget: usize },
+    /// `--bc auto`: a dynamic tree whose budget is chosen every step from the measured forward cost and
+    /// the observed acceptance (see `auto_bc`), plain decoding when no tree pays.
+    Auto,
     /// K_i candidates at depth i, only the top-1 node of each depth expanded.
     Static { branches: Vec<usize> },
 }
@@ -34,6 +38,7 @@ impl TreeShape {
         match self {
             TreeShape::Dynamic { budget } => *budget,
             TreeShape::Static { branches } => branches.iter().sum(),
+            TreeShape::Auto => auto_bc::MAX_RANK,
         }
     }
 }
@@ -122,6 +127,9 @@ pub struct Esp {
     masks: Option<MaskEmbedding>,
     /// Candidates for depth d + 1 of the next tree, from mask d + 1 of the last deepest accepted node.
     dists: Vec<Candidates>,
+    auto: Option<AutoBudget>,
+    /// Root of the current step: the depth-1 candidates were ranked without it (parent-equal pruning).
+    root: u32,
 }
 
 impl Esp {
@@ -138,7 +146,7 @@ impl Esp {
                 );
             }
         }
-        Ok(Esp { cfg, masks: None, dists: Vec::new() })
+        Ok(Esp { cfg, masks: None, dists: Vec::new(), auto: None, root: 0 })
     }
 
     fn candidates_needed(&self) -> usize {
@@ -156,16 +164,34 @@ impl Drafter for Esp {
         let c = &self.cfg;
         self.masks = Some(MaskEmbedding::new(model, prompt, c.masks, c.init, c.lambda, c.seed)?);
         self.dists.clear();
+        if c.tree == TreeShape::Auto {
+            self.auto = Some(AutoBudget::new(CostCurve::for_model(model, prompt)?, c.masks));
+        }
         Ok(c.masks)
     }
 
     fn draft(&mut self, root: u32, _history: &[u32], max_rows: usize) -> Draft {
+        self.root = root;
+        let k = self.cfg.masks;
+        let with_masks = |tree: TokenTree| {
+            let probes = esp_probes(tree.len(), k);
+            Draft { tree, probes }
+        };
         if self.dists.is_empty() {
-            return Draft::root_only(root);
+            // No candidates (first step after the context edge): probe from the root to get some back.
+            return if k + 1 <= max_rows { with_masks(TokenTree::new(root)) } else { Draft::root_only(root) };
         }
         let tree = match &self.cfg.tree {
             TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
             TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
+            TreeShape::Auto => {
+                let auto = self.auto.as_mut().expect("begin() sets up --bc auto");
+                match auto.choose() {
+                    Some(budget) => dynamic_tree(root, &self.dists, budget),
+                    None if auto.explore() => TokenTree::new(root),
+                    None => return Draft::root_only(root),
+                }
+            }
         };
         if tree.len() * (self.cfg.masks + 1) > max_rows {
             return Draft::root_only(root);
@@ -180,6 +206,10 @@ impl Drafter for Esp {
 
     fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
         self.masks.as_mut().expect("begin() runs before observe()").update_with_tokens(model, committed)?;
+        if let (Some(auto), Some(depth1), Some(&next)) = (self.auto.as_mut(), self.dists.first(), committed.first()) {
+            let rank = depth1.iter().filter(|c| c.0 != self.root).position(|c| c.0 == next);
+            auto.observe_rank(rank);
+        }
         self.dists = mask_candidates(probe_logits, self.candidates_needed());
         Ok(())
     }

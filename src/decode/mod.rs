@@ -3,6 +3,7 @@
 
 pub mod tree;
 pub mod ar;
+pub mod auto_bc;
 pub mod esp;
 pub mod generate;
 pub mod hybrid;
