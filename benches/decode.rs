@@ -16,22 +16,46 @@ use std::time::Duration;
 
 fn model() -> probespec::model::LoadedModel {
     let p = default_model_path();
-    assert!(p.is_file(), "SmolLM2 GGUF not found at {}: run `make model`", p.display());
-    load_model(&ModelSource::Gguf(p), &LoadOptions { device: Device::Cpu, dtype: DType::F32 }).unwrap()
+    assert!(
+        p.is_file(),
+        "SmolLM2 GGUF not found at {}: run `make model`",
+        p.display()
+    );
+    load_model(
+        &ModelSource::Gguf(p),
+        &LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        },
+    )
+    .unwrap()
 }
 
 fn decoding(c: &mut Criterion) {
     let m = model();
-    let prompt = encode_prompt(&m.tokenizer, "Write a short story about a lighthouse keeper.", None, true).unwrap();
+    let prompt = encode_prompt(
+        &m.tokenizer,
+        "Write a short story about a lighthouse keeper.",
+        None,
+        true,
+    )
+    .unwrap();
     // No stop tokens: every run decodes exactly 32 tokens.
-    let params = GenerateParams { max_new_tokens: 32, sampling: Default::default(), stop_tokens: vec![] };
+    let params = GenerateParams {
+        max_new_tokens: 32,
+        sampling: Default::default(),
+        stop_tokens: vec![],
+    };
     let mut g = c.benchmark_group("decode_32_tokens");
     g.sample_size(10).measurement_time(Duration::from_secs(20));
     g.bench_function("plain", |b| {
         b.iter(|| generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap())
     });
     for (name, bc) in [("esp_bc10", 10), ("esp_bc_auto", BC_AUTO)] {
-        let args = MethodArgs { bc, ..MethodArgs::default() };
+        let args = MethodArgs {
+            bc,
+            ..MethodArgs::default()
+        };
         g.bench_function(name, |b| {
             b.iter(|| {
                 let mut d = make_drafter(&args, 0).unwrap();
@@ -46,12 +70,16 @@ fn forward_cost(c: &mut Criterion) {
     let m = model();
     let model = &m.model;
     let mut g = c.benchmark_group("forward_cost");
-    g.sample_size(10).measurement_time(Duration::from_secs(4)).warm_up_time(Duration::from_secs(1));
+    g.sample_size(10)
+        .measurement_time(Duration::from_secs(4))
+        .warm_up_time(Duration::from_secs(1));
     for cached in [256usize, 1024] {
         let mut cache = model.new_cache(cached + 64).unwrap();
         let ids: Vec<u32> = (0..cached as u32).map(|i| 100 + i % 1000).collect();
         let pos: Vec<u32> = (0..cached as u32).collect();
-        model.forward(&model.embed(&ids).unwrap(), &pos, &BlockMask::Causal, &mut cache).unwrap();
+        model
+            .forward(&model.embed(&ids).unwrap(), &pos, &BlockMask::Causal, &mut cache)
+            .unwrap();
         for rows in [1usize, 2, 4, 8, 16, 32, 64] {
             let x = model.embed(&vec![42; rows]).unwrap();
             let positions: Vec<u32> = (cached as u32..(cached + rows) as u32).collect();

@@ -17,7 +17,11 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::{Read, Write};
 
 #[derive(Parser, Debug)]
-#[command(name = "probespec", version, about = "Faster lossless generation from a frozen LLM by embedding-space probing")]
+#[command(
+    name = "probespec",
+    version,
+    about = "Faster lossless generation from a frozen LLM by embedding-space probing"
+)]
 #[command(args_conflicts_with_subcommands = true, allow_negative_numbers = true)]
 pub struct Cli {
     #[command(subcommand)]
@@ -247,12 +251,23 @@ pub fn make_drafter(m: &MethodArgs, seed: u64) -> Result<Box<dyn Drafter>> {
                 (Some(b), _) => TreeShape::Static { branches: b.clone() },
                 (None, _) if m.bc == BC_AUTO => TreeShape::Auto,
                 (None, TreeArg::Dynamic) => TreeShape::Dynamic { budget: budget(m)? },
-                (None, TreeArg::Static) => TreeShape::Static { branches: default_branches(budget(m)?, m.masks) },
+                (None, TreeArg::Static) => TreeShape::Static {
+                    branches: default_branches(budget(m)?, m.masks),
+                },
             };
             let init = mask_init(m.mask_init);
-            Box::new(Esp::new(EspConfig { masks: m.masks, tree, lambda: m.mask_lambda, init, seed })?)
+            Box::new(Esp::new(EspConfig {
+                masks: m.masks,
+                tree,
+                lambda: m.mask_lambda,
+                init,
+                seed,
+            })?)
         }
-        MethodArg::Pld => Box::new(Pld::new(PldConfig { max_ngram: m.ngram, draft_len: m.draft_len })?),
+        MethodArg::Pld => Box::new(Pld::new(PldConfig {
+            max_ngram: m.ngram,
+            draft_len: m.draft_len,
+        })?),
         MethodArg::Lookahead => Box::new(Lookahead::new(LookaheadConfig {
             window: m.lookahead_window,
             ngram: m.lookahead_ngram,
@@ -292,7 +307,9 @@ pub fn parse_bc(s: &str) -> std::result::Result<usize, String> {
         "auto" => Ok(BC_AUTO),
         _ => match s.parse::<usize>() {
             Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("'{s}' is not a block complexity (a positive number or 'auto')")),
+            _ => Err(format!(
+                "'{s}' is not a block complexity (a positive number or 'auto')"
+            )),
         },
     }
 }
@@ -327,8 +344,12 @@ fn read_prompt(arg: Option<&str>) -> Result<String> {
         Some(p) if p != "-" => Ok(p.to_string()),
         _ => {
             let mut buf = Vec::new();
-            std::io::stdin().read_to_end(&mut buf).context("cannot read stdin")?;
-            String::from_utf8(buf).map_err(|e| anyhow::anyhow!("stdin is not valid UTF-8 (byte {})", e.utf8_error().valid_up_to()))
+            std::io::stdin()
+                .read_to_end(&mut buf)
+                .context("cannot read stdin")?;
+            String::from_utf8(buf).map_err(|e| {
+                anyhow::anyhow!("stdin is not valid UTF-8 (byte {})", e.utf8_error().valid_up_to())
+            })
         }
     }
 }
@@ -341,9 +362,15 @@ pub fn encode_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat
     let rendered = if chat {
         let mut messages = Vec::new();
         if let Some(s) = system {
-            messages.push(Message { role: "system".into(), content: s.into() });
+            messages.push(Message {
+                role: "system".into(),
+                content: s.into(),
+            });
         }
-        messages.push(Message { role: "user".into(), content: text.into() });
+        messages.push(Message {
+            role: "user".into(),
+            content: text.into(),
+        });
         tok.apply_chat_template(&messages, true)?
     } else {
         text.to_string()
@@ -365,7 +392,12 @@ fn check_sampling(a: &GenerateArgs) -> Result<SamplingParams> {
     if a.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
-    Ok(SamplingParams { temperature: a.temperature, top_p: a.top_p, top_k: a.top_k, seed: a.seed })
+    Ok(SamplingParams {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+    })
 }
 
 fn run_generate(a: &GenerateArgs) -> Result<()> {

@@ -5,8 +5,8 @@
 //! Output is token-identical to greedy decoding.
 
 pub mod bench;
+pub mod cli;
 pub mod decode;
 pub mod kernels;
 pub mod model;
-pub mod cli;
 pub mod tokenizer;

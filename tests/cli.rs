@@ -10,7 +10,11 @@ fn probespec(args: &[&str], stdin: Option<&[u8]>) -> (i32, String, String) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_probespec"))
         .args(args)
         .env("PROBESPEC_MODEL_DIR", "/nonexistent-probespec-model-dir")
-        .stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -30,8 +34,15 @@ fn probespec(args: &[&str], stdin: Option<&[u8]>) -> (i32, String, String) {
 fn fails_with(args: &[&str], stdin: Option<&[u8]>, needle: &str) {
     let (code, _, err) = probespec(args, stdin);
     assert_ne!(code, 0, "{args:?} succeeded");
-    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "{args:?} panicked: {err}");
-    assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: expected one line, got: {err}");
+    assert!(
+        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
+        "{args:?} panicked: {err}"
+    );
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: expected one line, got: {err}"
+    );
     assert!(err.contains(needle), "{args:?}: expected '{needle}' in: {err}");
 }
 
@@ -43,7 +54,11 @@ fn tiny_dir() -> tempfile::TempDir {
 
 #[test]
 fn missing_model_path() {
-    fails_with(&["--model", "/no/such/model.gguf", "hi"], None, "model path not found: /no/such/model.gguf");
+    fails_with(
+        &["--model", "/no/such/model.gguf", "hi"],
+        None,
+        "model path not found: /no/such/model.gguf",
+    );
 }
 
 #[test]
@@ -54,16 +69,26 @@ fn missing_default_model_says_how_to_fetch_it() {
 #[test]
 fn folder_without_config() {
     let d = common::tempdir();
-    fails_with(&["--model", d.path().to_str().unwrap(), "hi"], None, "config.json not found");
+    fails_with(
+        &["--model", d.path().to_str().unwrap(), "hi"],
+        None,
+        "config.json not found",
+    );
 }
 
 #[test]
 fn unsupported_architecture() {
     let d = tiny_dir();
     let cfg = d.path().join("config.json");
-    let text = std::fs::read_to_string(&cfg).unwrap().replace("\"llama\"", "\"mistral\"");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("\"llama\"", "\"mistral\"");
     std::fs::write(&cfg, text.replace("LlamaForCausalLM", "MistralForCausalLM")).unwrap();
-    fails_with(&["--model", d.path().to_str().unwrap(), "w5"], None, "unsupported architecture 'mistral'");
+    fails_with(
+        &["--model", d.path().to_str().unwrap(), "w5"],
+        None,
+        "unsupported architecture 'mistral'",
+    );
 }
 
 #[test]
@@ -72,14 +97,26 @@ fn truncated_safetensors() {
     let f = d.path().join("model.safetensors");
     let bytes = std::fs::read(&f).unwrap();
     std::fs::write(&f, &bytes[..bytes.len() / 2]).unwrap();
-    fails_with(&["--model", d.path().to_str().unwrap(), "w5"], None, "safetensors");
+    fails_with(
+        &["--model", d.path().to_str().unwrap(), "w5"],
+        None,
+        "safetensors",
+    );
 }
 
 #[test]
 fn corrupt_safetensors_header() {
     let d = tiny_dir();
-    std::fs::write(d.path().join("model.safetensors"), b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!").unwrap();
-    fails_with(&["--model", d.path().to_str().unwrap(), "w5"], None, "safetensors");
+    std::fs::write(
+        d.path().join("model.safetensors"),
+        b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!",
+    )
+    .unwrap();
+    fails_with(
+        &["--model", d.path().to_str().unwrap(), "w5"],
+        None,
+        "safetensors",
+    );
 }
 
 #[test]
@@ -97,7 +134,11 @@ fn corrupt_gguf() {
     let d = common::tempdir();
     let p = d.path().join("m.gguf");
     std::fs::write(&p, b"GGUF this is not a gguf file at all, just some bytes").unwrap();
-    fails_with(&["--model", p.to_str().unwrap(), "w5"], None, "not a readable GGUF file");
+    fails_with(
+        &["--model", p.to_str().unwrap(), "w5"],
+        None,
+        "not a readable GGUF file",
+    );
 }
 
 #[test]
@@ -110,21 +151,36 @@ fn tokenizer_larger_than_the_model_vocabulary() {
         vocab.insert(format!("x{i}"), serde_json::json!(i));
     }
     std::fs::write(&f, tok.to_string()).unwrap();
-    fails_with(&["--model", d.path().to_str().unwrap(), "w5"], None, "(300 tokens) does not fit the model's embedding table (256 rows)");
+    fails_with(
+        &["--model", d.path().to_str().unwrap(), "w5"],
+        None,
+        "(300 tokens) does not fit the model's embedding table (256 rows)",
+    );
 }
 
 #[test]
 fn empty_prompt() {
     let d = tiny_dir();
-    fails_with(&["--model", d.path().to_str().unwrap(), ""], None, "the prompt is empty");
-    fails_with(&["--model", d.path().to_str().unwrap()], Some(b"  \n"), "the prompt is empty");
+    fails_with(
+        &["--model", d.path().to_str().unwrap(), ""],
+        None,
+        "the prompt is empty",
+    );
+    fails_with(
+        &["--model", d.path().to_str().unwrap()],
+        Some(b"  \n"),
+        "the prompt is empty",
+    );
 }
 
 #[test]
 fn prompt_longer_than_the_context_window() {
     let d = tiny_dir();
     let long: String = (0..600).map(|i| format!("w{} ", 4 + i % 200)).collect();
-    let (code, _, err) = probespec(&["--model", d.path().to_str().unwrap(), "--no-chat-template", &long], None);
+    let (code, _, err) = probespec(
+        &["--model", d.path().to_str().unwrap(), "--no-chat-template", &long],
+        None,
+    );
     assert_ne!(code, 0);
     assert!(err.contains("600 tokens") && err.contains("512"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
@@ -133,21 +189,37 @@ fn prompt_longer_than_the_context_window() {
 #[test]
 fn non_utf8_stdin() {
     let d = tiny_dir();
-    fails_with(&["--model", d.path().to_str().unwrap()], Some(b"w5 \xff\xfe w6"), "stdin is not valid UTF-8");
+    fails_with(
+        &["--model", d.path().to_str().unwrap()],
+        Some(b"w5 \xff\xfe w6"),
+        "stdin is not valid UTF-8",
+    );
 }
 
 #[test]
 fn invalid_flag_values() {
     let d = tiny_dir();
     let m = d.path().to_str().unwrap();
-    fails_with(&["--model", m, "--temperature", "-1", "w5"], None, "--temperature");
+    fails_with(
+        &["--model", m, "--temperature", "-1", "w5"],
+        None,
+        "--temperature",
+    );
     fails_with(&["--model", m, "--top-p", "0", "w5"], None, "--top-p");
     fails_with(&["--model", m, "--bc", "2", "w5"], None, "--bc 2 is too small");
     fails_with(&["--model", m, "--masks", "5", "w5"], None, "--masks");
-    fails_with(&["--model", m, "--max-new-tokens", "0", "w5"], None, "--max-new-tokens");
+    fails_with(
+        &["--model", m, "--max-new-tokens", "0", "w5"],
+        None,
+        "--max-new-tokens",
+    );
     fails_with(&["--model", m, "--device", "tpu", "w5"], None, "tpu");
     fails_with(&["--model", m, "--bc", "many", "w5"], None, "many");
-    fails_with(&["--model", m, "--branches", "4,0", "--masks", "2", "w5"], None, "--branches");
+    fails_with(
+        &["--model", m, "--branches", "4,0", "--masks", "2", "w5"],
+        None,
+        "--branches",
+    );
 }
 
 #[test]
@@ -161,13 +233,33 @@ fn generates_from_argument_and_stdin_and_json() {
     let (code2, out2, _) = probespec(&["--model", m, "--max-new-tokens", "8", "-"], Some(b"w5 w6 w7"));
     assert_eq!(code2, 0);
     assert_eq!(out, out2, "stdin and argument prompts differ");
-    let (code3, out3, _) = probespec(&["--model", m, "--max-new-tokens", "8", "--json", "--method", "ar", "w5 w6 w7"], None);
+    let (code3, out3, _) = probespec(
+        &[
+            "--model",
+            m,
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--method",
+            "ar",
+            "w5 w6 w7",
+        ],
+        None,
+    );
     assert_eq!(code3, 0);
     let v: serde_json::Value = serde_json::from_str(out3.trim()).unwrap();
     for k in ["text", "token_ids", "prompt_token_ids", "stats"] {
         assert!(v.get(k).is_some(), "missing {k}");
     }
-    for k in ["method", "new_tokens", "model_calls", "tau", "prefill_seconds", "decode_seconds", "tokens_per_second"] {
+    for k in [
+        "method",
+        "new_tokens",
+        "model_calls",
+        "tau",
+        "prefill_seconds",
+        "decode_seconds",
+        "tokens_per_second",
+    ] {
         assert!(v["stats"].get(k).is_some(), "missing stats.{k}");
     }
     assert_eq!(v["stats"]["tau"], 1.0);

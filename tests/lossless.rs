@@ -5,7 +5,7 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::TinySpec;
-use probespec::cli::{make_drafter, MethodArg, MethodArgs, TreeArg, MaskInitArg};
+use probespec::cli::{make_drafter, MaskInitArg, MethodArg, MethodArgs, TreeArg};
 use probespec::decode::ar::Autoregressive;
 use probespec::decode::generate::{generate, GenerateParams, Generation};
 use probespec::decode::sampling::SamplingParams;
@@ -17,9 +17,15 @@ use rand::{Rng, SeedableRng};
 fn load(spec: &TinySpec) -> (tempfile::TempDir, Transformer) {
     let dir = common::tempdir();
     spec.write_hf(dir.path());
-    let m = load_model(&ModelSource::HfDir(dir.path().to_path_buf()), &LoadOptions { device: Device::Cpu, dtype: DType::F32 })
-        .unwrap()
-        .model;
+    let m = load_model(
+        &ModelSource::HfDir(dir.path().to_path_buf()),
+        &LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        },
+    )
+    .unwrap()
+    .model;
     (dir, m)
 }
 
@@ -39,8 +45,23 @@ fn prompts(n: usize, len: std::ops::Range<usize>, seed: u64) -> Vec<Vec<u32>> {
         .collect()
 }
 
-pub fn method(method: MethodArg, bc: usize, masks: usize, tree: TreeArg, branches: Option<Vec<usize>>) -> MethodArgs {
-    MethodArgs { method, bc, masks, tree, branches, mask_init: MaskInitArg::Mean, mask_lambda: 0.1, ..MethodArgs::default() }
+pub fn method(
+    method: MethodArg,
+    bc: usize,
+    masks: usize,
+    tree: TreeArg,
+    branches: Option<Vec<usize>>,
+) -> MethodArgs {
+    MethodArgs {
+        method,
+        bc,
+        masks,
+        tree,
+        branches,
+        mask_init: MaskInitArg::Mean,
+        mask_lambda: 0.1,
+        ..MethodArgs::default()
+    }
 }
 
 /// Every ESP configuration the issue names.
@@ -56,7 +77,13 @@ fn esp_configs() -> Vec<MethodArgs> {
         }
     }
     v.push(method(MethodArg::Esp, 60, 2, TreeArg::Static, Some(vec![15, 4])));
-    v.push(method(MethodArg::Esp, 60, 3, TreeArg::Static, Some(vec![7, 5, 3])));
+    v.push(method(
+        MethodArg::Esp,
+        60,
+        3,
+        TreeArg::Static,
+        Some(vec![7, 5, 3]),
+    ));
     v
 }
 
@@ -66,20 +93,34 @@ fn run(model: &Transformer, prompt: &[u32], m: &MethodArgs, params: &GeneratePar
 }
 
 fn greedy(max_new: usize, stops: Vec<u32>) -> GenerateParams {
-    GenerateParams { max_new_tokens: max_new, sampling: SamplingParams::default(), stop_tokens: stops }
+    GenerateParams {
+        max_new_tokens: max_new,
+        sampling: SamplingParams::default(),
+        stop_tokens: stops,
+    }
 }
 
 /// Checks every configuration against AR on every prompt; returns (committed, calls) pooled over ESP runs.
-fn check_all(model: &Transformer, prompts: &[Vec<u32>], configs: &[MethodArgs], params: &GenerateParams) -> (usize, usize) {
+fn check_all(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    configs: &[MethodArgs],
+    params: &GenerateParams,
+) -> (usize, usize) {
     let (mut committed, mut calls) = (0, 0);
     for p in prompts {
         let want = generate(model, p, &mut Autoregressive, params, &mut |_| Ok(())).unwrap();
         for m in configs {
             let got = run(model, p, m, params);
             assert_eq!(
-                got.tokens, want.tokens,
+                got.tokens,
+                want.tokens,
                 "mismatch: k={} bc={} tree={:?} branches={:?} prompt len {}",
-                m.masks, m.bc, m.tree, m.branches, p.len()
+                m.masks,
+                m.bc,
+                m.tree,
+                m.branches,
+                p.len()
             );
             assert_eq!(got.finish_reason, want.finish_reason);
             committed += got.stats.committed_by_calls();
@@ -92,18 +133,36 @@ fn check_all(model: &Transformer, prompts: &[Vec<u32>], configs: &[MethodArgs], 
 #[test]
 fn esp_is_lossless_on_tiny_llama_every_configuration() {
     let (_d, model) = load(&TinySpec::llama());
-    let (c, n) = check_all(&model, &prompts(8, 1..40, 11), &esp_configs(), &greedy(48, vec![]));
+    let (c, n) = check_all(
+        &model,
+        &prompts(8, 1..40, 11),
+        &esp_configs(),
+        &greedy(48, vec![]),
+    );
     // The speculative path must actually be exercised, or the test proves nothing.
     eprintln!("pooled ESP tau {:.3}", c as f64 / n as f64);
-    assert!(c as f64 / n as f64 > 1.05, "tau {} too low to exercise acceptance", c as f64 / n as f64);
+    assert!(
+        c as f64 / n as f64 > 1.05,
+        "tau {} too low to exercise acceptance",
+        c as f64 / n as f64
+    );
 }
 
 #[test]
 fn esp_is_lossless_on_tiny_qwen3_every_configuration() {
     let (_d, model) = load(&TinySpec::qwen3());
-    let (c, n) = check_all(&model, &prompts(8, 1..40, 12), &esp_configs(), &greedy(48, vec![]));
+    let (c, n) = check_all(
+        &model,
+        &prompts(8, 1..40, 12),
+        &esp_configs(),
+        &greedy(48, vec![]),
+    );
     eprintln!("pooled ESP tau {:.3}", c as f64 / n as f64);
-    assert!(c as f64 / n as f64 > 1.05, "tau {} too low to exercise acceptance", c as f64 / n as f64);
+    assert!(
+        c as f64 / n as f64 > 1.05,
+        "tau {} too low to exercise acceptance",
+        c as f64 / n as f64
+    );
 }
 
 #[test]
@@ -121,7 +180,14 @@ fn prompts_near_the_context_limit() {
     let (_d, model) = load(&TinySpec::llama());
     let ps = prompts(6, 480..511, 13);
     check_all(&model, &ps, &esp_configs(), &greedy(64, vec![]));
-    let g = generate(&model, &ps[0], &mut Autoregressive, &greedy(64, vec![]), &mut |_| Ok(())).unwrap();
+    let g = generate(
+        &model,
+        &ps[0],
+        &mut Autoregressive,
+        &greedy(64, vec![]),
+        &mut |_| Ok(()),
+    )
+    .unwrap();
     assert_eq!(g.finish_reason, "context_window");
 }
 
@@ -129,10 +195,16 @@ fn prompts_near_the_context_limit() {
 fn stop_token_and_length_limit_inside_an_accepted_path() {
     let (_d, model) = load(&TinySpec::llama());
     let ps = prompts(9, 2..30, 14);
-    let configs = [method(MethodArg::Esp, 30, 1, TreeArg::Dynamic, None), method(MethodArg::Esp, 60, 2, TreeArg::Dynamic, None)];
+    let configs = [
+        method(MethodArg::Esp, 30, 1, TreeArg::Dynamic, None),
+        method(MethodArg::Esp, 60, 2, TreeArg::Dynamic, None),
+    ];
     let mut stop_inside = 0;
     for p in &ps {
-        let free = generate(&model, p, &mut Autoregressive, &greedy(40, vec![]), &mut |_| Ok(())).unwrap();
+        let free = generate(&model, p, &mut Autoregressive, &greedy(40, vec![]), &mut |_| {
+            Ok(())
+        })
+        .unwrap();
         // Stop at a token plain decoding emits at step 5..: whether ESP reaches it inside a path or not, it
         // must end exactly there.
         for &stop in free.tokens[5..].iter().take(4) {
@@ -143,15 +215,26 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
             }
         }
         for max_new in [1, 2, 3, 5, 8, 13, 21] {
-            check_all(&model, std::slice::from_ref(p), &configs, &greedy(max_new, vec![]));
+            check_all(
+                &model,
+                std::slice::from_ref(p),
+                &configs,
+                &greedy(max_new, vec![]),
+            );
         }
     }
-    assert!(stop_inside > 0, "no run accepted more than one token: the stop case was not exercised");
+    assert!(
+        stop_inside > 0,
+        "no run accepted more than one token: the stop case was not exercised"
+    );
 }
 
 /// Two-sample chi-square homogeneity statistic over categories with enough expected mass; returns
 /// (statistic, degrees of freedom).
-fn chi_square(a: &std::collections::HashMap<u32, usize>, b: &std::collections::HashMap<u32, usize>) -> (f64, usize) {
+fn chi_square(
+    a: &std::collections::HashMap<u32, usize>,
+    b: &std::collections::HashMap<u32, usize>,
+) -> (f64, usize) {
     let (na, nb) = (a.values().sum::<usize>() as f64, b.values().sum::<usize>() as f64);
     let mut keys: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
     keys.sort();
@@ -202,7 +285,12 @@ fn sampling_keeps_the_model_distribution() {
     for seed in 0..600u64 {
         let params = GenerateParams {
             max_new_tokens: 3,
-            sampling: SamplingParams { temperature: 0.8, top_p: 1.0, top_k: 0, seed },
+            sampling: SamplingParams {
+                temperature: 0.8,
+                top_p: 1.0,
+                top_k: 0,
+                seed,
+            },
             stop_tokens: vec![],
         };
         let a = generate(&model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
@@ -215,11 +303,18 @@ fn sampling_keeps_the_model_distribution() {
             *counts[pos].1.entry(e.tokens[pos + 1]).or_insert(0usize) += 1;
         }
     }
-    assert!(esp_committed_multi > 30, "drafts were accepted in only {esp_committed_multi} of 600 runs");
+    assert!(
+        esp_committed_multi > 30,
+        "drafts were accepted in only {esp_committed_multi} of 600 runs"
+    );
     for (pos, (a, e)) in counts.iter().enumerate() {
         let (stat, df) = chi_square(a, e);
         assert!(df >= 1, "degenerate distribution at position {pos}");
         let crit = chi_square_critical_001(df);
-        assert!(stat < crit, "position {}: chi2 {stat:.1} >= {crit:.1} (df {df})", pos + 1);
+        assert!(
+            stat < crit,
+            "position {}: chi2 {stat:.1} >= {crit:.1} (df {df})",
+            pos + 1
+        );
     }
 }

@@ -11,18 +11,25 @@ use probespec::model::load::{load_model, LoadOptions, ModelSource};
 use probespec::model::{BlockMask, Transformer};
 
 fn cpu_f32() -> LoadOptions {
-    LoadOptions { device: Device::Cpu, dtype: DType::F32 }
+    LoadOptions {
+        device: Device::Cpu,
+        dtype: DType::F32,
+    }
 }
 
 fn load_dir(dir: &std::path::Path) -> Transformer {
-    load_model(&ModelSource::HfDir(dir.to_path_buf()), &cpu_f32()).unwrap().model
+    load_model(&ModelSource::HfDir(dir.to_path_buf()), &cpu_f32())
+        .unwrap()
+        .model
 }
 
 /// Logits of every row of a causal block over an empty cache.
 fn own_logits(model: &Transformer, ids: &[u32]) -> Vec<Vec<f32>> {
     let mut cache = model.new_cache(ids.len()).unwrap();
     let pos: Vec<u32> = (0..ids.len() as u32).collect();
-    let h = model.forward(&model.embed(ids).unwrap(), &pos, &BlockMask::Causal, &mut cache).unwrap();
+    let h = model
+        .forward(&model.embed(ids).unwrap(), &pos, &BlockMask::Causal, &mut cache)
+        .unwrap();
     let rows: Vec<usize> = (0..ids.len()).collect();
     model.logits(&h, &rows).unwrap().to_vec2().unwrap()
 }
@@ -52,8 +59,17 @@ fn llama_matches_candle_transformers_at_every_position() {
     let reference = stock::Llama::load(vb, &cfg).unwrap();
     for s in 1..=IDS.len() {
         let mut cache = stock::Cache::new(false, DType::F32, &cfg, &Device::Cpu).unwrap();
-        let x = Tensor::new(&IDS[..s], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let want: Vec<f32> = reference.forward(&x, 0, &mut cache).unwrap().i(0).unwrap().to_vec1().unwrap();
+        let x = Tensor::new(&IDS[..s], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let want: Vec<f32> = reference
+            .forward(&x, 0, &mut cache)
+            .unwrap()
+            .i(0)
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let d = max_abs_diff(&ours[s - 1], &want);
         assert!(d < 1e-4, "position {}: max |diff| {d}", s - 1);
     }
@@ -76,8 +92,17 @@ fn qwen3_matches_candle_transformers_at_every_position() {
     let mut reference = stock::ModelForCausalLM::new(&cfg, vb).unwrap();
     for s in 1..=IDS.len() {
         reference.clear_kv_cache();
-        let x = Tensor::new(&IDS[..s], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let want: Vec<f32> = reference.forward(&x, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let x = Tensor::new(&IDS[..s], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let want: Vec<f32> = reference
+            .forward(&x, 0)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let d = max_abs_diff(&ours[s - 1], &want);
         assert!(d < 1e-4, "position {}: max |diff| {d}", s - 1);
     }
@@ -92,14 +117,25 @@ fn gguf_llama_matches_candle_quantized_llama() {
     let path = dir.path().join("tiny.gguf");
     // Write with rope scaling disabled: patch the spec's config through a plain-rope copy.
     write_plain_rope_gguf(&spec, &path);
-    let model = load_model(&ModelSource::Gguf(path.clone()), &cpu_f32()).unwrap().model;
+    let model = load_model(&ModelSource::Gguf(path.clone()), &cpu_f32())
+        .unwrap()
+        .model;
     let ours = own_logits(&model, &IDS);
     for s in 1..=IDS.len() {
         let mut f = std::fs::File::open(&path).unwrap();
         let ct = candle_core::quantized::gguf_file::Content::read(&mut f).unwrap();
         let mut reference = stock::ModelWeights::from_gguf(ct, &mut f, &Device::Cpu).unwrap();
-        let x = Tensor::new(&IDS[..s], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-        let want: Vec<f32> = reference.forward(&x, 0).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+        let x = Tensor::new(&IDS[..s], &Device::Cpu)
+            .unwrap()
+            .unsqueeze(0)
+            .unwrap();
+        let want: Vec<f32> = reference
+            .forward(&x, 0)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         let d = max_abs_diff(&ours[s - 1], &want);
         assert!(d < 1e-4, "position {}: max |diff| {d}", s - 1);
     }
@@ -120,7 +156,8 @@ fn write_plain_rope_gguf(spec: &TinySpec, path: &std::path::Path) {
         }
     }
     let md: Vec<(&str, &gguf_file::Value)> = ct.metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
-    let ts: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let ts: Vec<(&str, &candle_core::quantized::QTensor)> =
+        tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
     gguf_file::write(&mut std::fs::File::create(path).unwrap(), &md, &ts).unwrap();
 }
 
@@ -134,12 +171,26 @@ fn kv_cache_decoding_equals_full_recompute() {
         let mut cache = model.new_cache(IDS.len()).unwrap();
         let split = 5;
         let pos: Vec<u32> = (0..split as u32).collect();
-        let h = model.forward(&model.embed(&IDS[..split]).unwrap(), &pos, &BlockMask::Causal, &mut cache).unwrap();
+        let h = model
+            .forward(
+                &model.embed(&IDS[..split]).unwrap(),
+                &pos,
+                &BlockMask::Causal,
+                &mut cache,
+            )
+            .unwrap();
         let last = model.logits(&h, &[split - 1]).unwrap().to_vec2::<f32>().unwrap();
         // The row-invariant CPU kernel makes these bit-identical, which is what losslessness rests on.
         assert_eq!(max_abs_diff(&last[0], &full[split - 1]), 0.0);
         for i in split..IDS.len() {
-            let h = model.forward(&model.embed(&IDS[i..=i]).unwrap(), &[i as u32], &BlockMask::Causal, &mut cache).unwrap();
+            let h = model
+                .forward(
+                    &model.embed(&IDS[i..=i]).unwrap(),
+                    &[i as u32],
+                    &BlockMask::Causal,
+                    &mut cache,
+                )
+                .unwrap();
             let l = model.logits(&h, &[0]).unwrap().to_vec2::<f32>().unwrap();
             let d = max_abs_diff(&l[0], &full[i]);
             assert_eq!(d, 0.0, "{:?} step {i}", spec.arch);
@@ -159,7 +210,14 @@ fn tree_mask_block_equals_each_branch_alone() {
         let (a1, a2, b1) = (40u32, 41u32, 42u32);
         let mut cache = model.new_cache(16).unwrap();
         let pos: Vec<u32> = (0..6).collect();
-        model.forward(&model.embed(prefix).unwrap(), &pos, &BlockMask::Causal, &mut cache).unwrap();
+        model
+            .forward(
+                &model.embed(prefix).unwrap(),
+                &pos,
+                &BlockMask::Causal,
+                &mut cache,
+            )
+            .unwrap();
         let inf = f32::NEG_INFINITY;
         #[rustfmt::skip]
         let local = [
@@ -174,13 +232,22 @@ fn tree_mask_block_equals_each_branch_alone() {
         }
         let mask = Tensor::from_vec(mask, (3, 9), &Device::Cpu).unwrap();
         let h = model
-            .forward(&model.embed(&[a1, a2, b1]).unwrap(), &[6, 7, 6], &BlockMask::Additive(mask), &mut cache)
+            .forward(
+                &model.embed(&[a1, a2, b1]).unwrap(),
+                &[6, 7, 6],
+                &BlockMask::Additive(mask),
+                &mut cache,
+            )
             .unwrap();
         let tree = model.logits(&h, &[0, 1, 2]).unwrap().to_vec2::<f32>().unwrap();
 
         let branch_a = own_logits(&model, &[prefix, &[a1, a2]].concat());
         let branch_b = own_logits(&model, &[prefix, &[b1]].concat());
-        for (got, want) in [(&tree[0], &branch_a[6]), (&tree[1], &branch_a[7]), (&tree[2], &branch_b[6])] {
+        for (got, want) in [
+            (&tree[0], &branch_a[6]),
+            (&tree[1], &branch_a[7]),
+            (&tree[2], &branch_b[6]),
+        ] {
             let d = max_abs_diff(got, want);
             assert_eq!(d, 0.0, "{:?}", spec.arch);
         }
@@ -198,9 +265,15 @@ fn gguf_and_safetensors_give_the_same_greedy_tokens() {
         spec.write_gguf(&gguf);
         let a = load_dir(dir.path());
         let b = load_model(&ModelSource::Gguf(gguf), &cpu_f32()).unwrap().model;
-        let params = GenerateParams { max_new_tokens: 40, sampling: Default::default(), stop_tokens: vec![] };
+        let params = GenerateParams {
+            max_new_tokens: 40,
+            sampling: Default::default(),
+            stop_tokens: vec![],
+        };
         let run = |m: &Transformer| {
-            generate(m, &IDS, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap().tokens
+            generate(m, &IDS, &mut Autoregressive, &params, &mut |_| Ok(()))
+                .unwrap()
+                .tokens
         };
         let (ta, tb) = (run(&a), run(&b));
         assert_eq!(ta.len(), 40);

@@ -11,7 +11,14 @@ use probespec::model::load::{load_model, LoadOptions, LoadedModel, ModelSource};
 
 fn smollm2() -> LoadedModel {
     let path = common::smollm2_path();
-    load_model(&ModelSource::Gguf(path), &LoadOptions { device: Device::Cpu, dtype: DType::F32 }).unwrap()
+    load_model(
+        &ModelSource::Gguf(path),
+        &LoadOptions {
+            device: Device::Cpu,
+            dtype: DType::F32,
+        },
+    )
+    .unwrap()
 }
 
 /// First turns of Spec-Bench, `per_group` from each of its six groups (mt_bench spread over its categories).
@@ -21,13 +28,30 @@ fn specbench_prompts(per_group: usize) -> Vec<(String, String)> {
     let mut by_cat: std::collections::BTreeMap<String, Vec<String>> = Default::default();
     for line in text.lines() {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        by_cat.entry(v["category"].as_str().unwrap().to_string()).or_default().push(v["turns"][0].as_str().unwrap().to_string());
+        by_cat
+            .entry(v["category"].as_str().unwrap().to_string())
+            .or_default()
+            .push(v["turns"][0].as_str().unwrap().to_string());
     }
     let mut out = Vec::new();
     for group in ["translation", "summarization", "qa", "math_reasoning", "rag"] {
-        out.extend(by_cat[group].iter().take(per_group).map(|t| (group.to_string(), t.clone())));
+        out.extend(
+            by_cat[group]
+                .iter()
+                .take(per_group)
+                .map(|t| (group.to_string(), t.clone())),
+        );
     }
-    let mt = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"];
+    let mt = [
+        "writing",
+        "roleplay",
+        "reasoning",
+        "math",
+        "coding",
+        "extraction",
+        "stem",
+        "humanities",
+    ];
     for i in 0..per_group {
         let cat = mt[i % mt.len()];
         out.push((cat.to_string(), by_cat[cat][i / mt.len()].clone()));
@@ -39,17 +63,33 @@ fn specbench_prompts(per_group: usize) -> Vec<(String, String)> {
 fn greedy_answer_is_deterministic_and_sensible() {
     let m = smollm2();
     let prompt = encode_prompt(&m.tokenizer, "What is the capital of France?", None, true).unwrap();
-    let params = GenerateParams { max_new_tokens: 24, sampling: Default::default(), stop_tokens: m.tokenizer.stop_tokens().to_vec() };
+    let params = GenerateParams {
+        max_new_tokens: 24,
+        sampling: Default::default(),
+        stop_tokens: m.tokenizer.stop_tokens().to_vec(),
+    };
     let a = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
     let b = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
     assert_eq!(a.tokens, b.tokens);
     let text = m.tokenizer.decode(&a.tokens).unwrap();
     assert!(text.contains("Paris"), "unexpected answer: {text}");
-    assert_eq!(a.finish_reason, "stop_token", "the answer should end with the end-of-turn token: {text}");
+    assert_eq!(
+        a.finish_reason, "stop_token",
+        "the answer should end with the end-of-turn token: {text}"
+    );
 }
 
 fn esp(bc: usize, masks: usize, tree: TreeArg, branches: Option<Vec<usize>>) -> MethodArgs {
-    MethodArgs { method: MethodArg::Esp, bc, masks, tree, branches, mask_init: MaskInitArg::Mean, mask_lambda: 0.1, ..MethodArgs::default() }
+    MethodArgs {
+        method: MethodArg::Esp,
+        bc,
+        masks,
+        tree,
+        branches,
+        mask_init: MaskInitArg::Mean,
+        mask_lambda: 0.1,
+        ..MethodArgs::default()
+    }
 }
 
 #[test]
@@ -57,7 +97,11 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     let m = smollm2();
     let prompts = specbench_prompts(7);
     assert!(prompts.len() >= 40);
-    let params = GenerateParams { max_new_tokens: 48, sampling: Default::default(), stop_tokens: m.tokenizer.stop_tokens().to_vec() };
+    let params = GenerateParams {
+        max_new_tokens: 48,
+        sampling: Default::default(),
+        stop_tokens: m.tokenizer.stop_tokens().to_vec(),
+    };
     let configs = [
         esp(30, 1, TreeArg::Dynamic, None),
         esp(10, 1, TreeArg::Static, None),
@@ -71,7 +115,11 @@ fn esp_is_lossless_on_42_specbench_prompts() {
         for cfg in if i % 3 == 0 { &configs[..] } else { &configs[..1] } {
             let mut d = make_drafter(cfg, 0).unwrap();
             let got = generate(&m.model, &ids, d.as_mut(), &params, &mut |_| Ok(())).unwrap();
-            assert_eq!(got.tokens, want.tokens, "mismatch on prompt {i} ({cat}), bc {} k {}", cfg.bc, cfg.masks);
+            assert_eq!(
+                got.tokens, want.tokens,
+                "mismatch on prompt {i} ({cat}), bc {} k {}",
+                cfg.bc, cfg.masks
+            );
             if cfg.bc == 30 {
                 committed += got.stats.committed_by_calls();
                 calls += got.stats.model_calls;

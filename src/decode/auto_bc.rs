@@ -43,7 +43,12 @@ impl CostCurve {
         let max_rows = *TIMED_ROWS.last().unwrap();
         let mut cache = model.new_cache(ctx + max_rows)?;
         let pos: Vec<u32> = (0..ctx as u32).collect();
-        model.forward(&model.embed(&context[..ctx])?, &pos, &BlockMask::Causal, &mut cache)?;
+        model.forward(
+            &model.embed(&context[..ctx])?,
+            &pos,
+            &BlockMask::Causal,
+            &mut cache,
+        )?;
         let fill = context[ctx - 1];
         let mut time_block = |s: usize| -> Result<f64> {
             let x = model.embed(&vec![fill; s])?;
@@ -51,7 +56,11 @@ impl CostCurve {
             let mask = if s == 1 {
                 BlockMask::Causal
             } else {
-                BlockMask::Additive(Tensor::zeros((s, ctx + s), candle_core::DType::F32, &model.device)?)
+                BlockMask::Additive(Tensor::zeros(
+                    (s, ctx + s),
+                    candle_core::DType::F32,
+                    &model.device,
+                )?)
             };
             let t = Instant::now();
             let h = model.forward(&x, &positions, &mask, &mut cache)?;
@@ -70,7 +79,11 @@ impl CostCurve {
         let t = Instant::now();
         model.logits(&h, &[0])?.to_vec2::<f32>()?;
         let extra_logits_seconds = t.elapsed().as_secs_f64();
-        Ok(CostCurve { rows: TIMED_ROWS.to_vec(), seconds, extra_logits_seconds })
+        Ok(CostCurve {
+            rows: TIMED_ROWS.to_vec(),
+            seconds,
+            extra_logits_seconds,
+        })
     }
 
     /// The curve for `model`, measured on first use in this process.
@@ -117,7 +130,12 @@ pub struct AutoBudget {
 
 impl AutoBudget {
     pub fn new(curve: Arc<CostCurve>, masks: usize) -> Self {
-        AutoBudget { curve, masks, ranks: vec![0; MAX_RANK + 1], plain_steps: 0 }
+        AutoBudget {
+            curve,
+            masks,
+            ranks: vec![0; MAX_RANK + 1],
+            plain_steps: 0,
+        }
     }
 
     /// Records where the committed token stood among the previous step's depth-1 candidates.
@@ -168,7 +186,11 @@ mod tests {
     use super::*;
 
     fn curve(seconds: [f64; 7]) -> Arc<CostCurve> {
-        Arc::new(CostCurve { rows: TIMED_ROWS.to_vec(), seconds: seconds.to_vec(), extra_logits_seconds: 0.0 })
+        Arc::new(CostCurve {
+            rows: TIMED_ROWS.to_vec(),
+            seconds: seconds.to_vec(),
+            extra_logits_seconds: 0.0,
+        })
     }
 
     #[test]

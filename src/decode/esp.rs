@@ -60,13 +60,22 @@ pub struct MaskEmbedding {
 }
 
 impl MaskEmbedding {
-    pub fn new(model: &Transformer, prompt: &[u32], k: usize, init: MaskInit, lambda: f32, seed: u64) -> Result<Self> {
+    pub fn new(
+        model: &Transformer,
+        prompt: &[u32],
+        k: usize,
+        init: MaskInit,
+        lambda: f32,
+        seed: u64,
+    ) -> Result<Self> {
         let emb = model.embed(prompt)?.to_dtype(DType::F32)?;
         let vectors = match init {
             MaskInit::Mean => vec![emb.mean(0)?.to_vec1::<f32>()?; k],
             MaskInit::Last => {
                 let rows = emb.to_vec2::<f32>()?;
-                (0..k).map(|j| rows[rows.len().saturating_sub(k) + j.min(rows.len() - 1)].clone()).collect()
+                (0..k)
+                    .map(|j| rows[rows.len().saturating_sub(k) + j.min(rows.len() - 1)].clone())
+                    .collect()
             }
             MaskInit::Normal => {
                 let table = model.embed_tokens.to_dtype(DType::F32)?;
@@ -77,7 +86,11 @@ impl MaskEmbedding {
                 let v: Vec<f32> = mean
                     .iter()
                     .zip(&var)
-                    .map(|(&m, &s2)| Normal::new(m, s2.sqrt().max(1e-12)).map(|n| n.sample(&mut rng)).unwrap_or(m))
+                    .map(|(&m, &s2)| {
+                        Normal::new(m, s2.sqrt().max(1e-12))
+                            .map(|n| n.sample(&mut rng))
+                            .unwrap_or(m)
+                    })
                     .collect();
                 vec![v; k]
             }
@@ -146,7 +159,13 @@ impl Esp {
                 );
             }
         }
-        Ok(Esp { cfg, masks: None, dists: Vec::new(), auto: None, root: 0 })
+        Ok(Esp {
+            cfg,
+            masks: None,
+            dists: Vec::new(),
+            auto: None,
+            root: 0,
+        })
     }
 
     fn candidates_needed(&self) -> usize {
@@ -162,7 +181,9 @@ impl Drafter for Esp {
 
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
         let c = &self.cfg;
-        self.masks = Some(MaskEmbedding::new(model, prompt, c.masks, c.init, c.lambda, c.seed)?);
+        self.masks = Some(MaskEmbedding::new(
+            model, prompt, c.masks, c.init, c.lambda, c.seed,
+        )?);
         self.dists.clear();
         if c.tree == TreeShape::Auto {
             self.auto = Some(AutoBudget::new(CostCurve::for_model(model, prompt)?, c.masks));
@@ -179,7 +200,11 @@ impl Drafter for Esp {
         };
         if self.dists.is_empty() {
             // No candidates (first step after the context edge): probe from the root to get some back.
-            return if k + 1 <= max_rows { with_masks(TokenTree::new(root)) } else { Draft::root_only(root) };
+            return if k + 1 <= max_rows {
+                with_masks(TokenTree::new(root))
+            } else {
+                Draft::root_only(root)
+            };
         }
         let tree = match &self.cfg.tree {
             TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
@@ -201,13 +226,24 @@ impl Drafter for Esp {
     }
 
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
-        self.masks.as_ref().expect("begin() runs before probe_inputs()").probe_inputs(model, probes)
+        self.masks
+            .as_ref()
+            .expect("begin() runs before probe_inputs()")
+            .probe_inputs(model, probes)
     }
 
     fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
-        self.masks.as_mut().expect("begin() runs before observe()").update_with_tokens(model, committed)?;
-        if let (Some(auto), Some(depth1), Some(&next)) = (self.auto.as_mut(), self.dists.first(), committed.first()) {
-            let rank = depth1.iter().filter(|c| c.0 != self.root).position(|c| c.0 == next);
+        self.masks
+            .as_mut()
+            .expect("begin() runs before observe()")
+            .update_with_tokens(model, committed)?;
+        if let (Some(auto), Some(depth1), Some(&next)) =
+            (self.auto.as_mut(), self.dists.first(), committed.first())
+        {
+            let rank = depth1
+                .iter()
+                .filter(|c| c.0 != self.root)
+                .position(|c| c.0 == next);
             auto.observe_rank(rank);
         }
         self.dists = mask_candidates(probe_logits, self.candidates_needed());

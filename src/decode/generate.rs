@@ -20,7 +20,10 @@ pub struct Draft {
 
 impl Draft {
     pub fn root_only(root: u32) -> Self {
-        Draft { tree: TokenTree::new(root), probes: Vec::new() }
+        Draft {
+            tree: TokenTree::new(root),
+            probes: Vec::new(),
+        }
     }
 }
 
@@ -146,12 +149,17 @@ pub fn generate(
             x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &draft.probes)?], 0)?;
         }
         let positions: Vec<u32> = layout.rel_positions.iter().map(|&r| p0 as u32 + r).collect();
-        let is_chain = draft.probes.is_empty() && (1..draft.tree.len()).all(|n| draft.tree.parent(n) == Some(n - 1));
+        let is_chain =
+            draft.probes.is_empty() && (1..draft.tree.len()).all(|n| draft.tree.parent(n) == Some(n - 1));
         let mask = if is_chain {
             BlockMask::Causal
         } else {
             layout.additive_mask_into(p0, &mut mask_buf);
-            BlockMask::Additive(Tensor::from_slice(&mask_buf, (layout.rows, p0 + layout.rows), &model.device)?)
+            BlockMask::Additive(Tensor::from_slice(
+                &mask_buf,
+                (layout.rows, p0 + layout.rows),
+                &model.device,
+            )?)
         };
         stats.draft_seconds += t_draft.elapsed().as_secs_f64();
 
@@ -165,7 +173,9 @@ pub fn generate(
         let t_verify = Instant::now();
         let mut logits = RowLogits::new(layout.rows);
         let probe_rows_of = |owner: usize| -> Vec<usize> {
-            (1..).map_while(|offset| layout.probe_row(owner, offset)).collect()
+            (1..)
+                .map_while(|offset| layout.probe_row(owner, offset))
+                .collect()
         };
         let (mut cur, mut accepted) = (0usize, Vec::new());
         let bonus = loop {
@@ -181,8 +191,10 @@ pub fn generate(
                 None => break target,
             }
         };
-        let probe_logits: Vec<Vec<f32>> =
-            probe_rows_of(drafter.probe_owner(cur)).into_iter().map(|r| logits.take(r)).collect();
+        let probe_logits: Vec<Vec<f32>> = probe_rows_of(drafter.probe_owner(cur))
+            .into_iter()
+            .map(|r| logits.take(r))
+            .collect();
         let mut keep = vec![0usize];
         keep.extend(accepted.iter().copied());
         // The vocabulary projections belong to the model's cost, not to the verifier's overhead.
@@ -201,7 +213,11 @@ pub fn generate(
     stats.decode_seconds = t_decode.elapsed().as_secs_f64();
     stats.new_tokens = generated.len();
     stats.finish();
-    Ok(Generation { tokens: generated, stats, finish_reason })
+    Ok(Generation {
+        tokens: generated,
+        stats,
+        finish_reason,
+    })
 }
 
 /// Logits of block rows, computed on demand and at most once each.
@@ -213,12 +229,19 @@ struct RowLogits {
 
 impl RowLogits {
     fn new(n: usize) -> Self {
-        RowLogits { rows: vec![None; n], seconds: 0.0 }
+        RowLogits {
+            rows: vec![None; n],
+            seconds: 0.0,
+        }
     }
 
     /// Computes, in one vocabulary projection, the rows of `wanted` not computed yet.
     fn fetch(&mut self, model: &Transformer, hidden: &Tensor, wanted: &[usize]) -> Result<()> {
-        let missing: Vec<usize> = wanted.iter().copied().filter(|&r| self.rows[r].is_none()).collect();
+        let missing: Vec<usize> = wanted
+            .iter()
+            .copied()
+            .filter(|&r| self.rows[r].is_none())
+            .collect();
         if missing.is_empty() {
             return Ok(());
         }

@@ -1,7 +1,6 @@
 //! Decoding strategies: the block and tree types (plain data, no tensors), the verifier, the generate loop,
 //! sampling, statistics, and one module per drafter.
 
-pub mod tree;
 pub mod ar;
 pub mod auto_bc;
 pub mod esp;
@@ -12,3 +11,4 @@ pub mod ngram;
 pub mod pld;
 pub mod sampling;
 pub mod stats;
+pub mod tree;

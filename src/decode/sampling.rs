@@ -17,7 +17,12 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { temperature: 0.0, top_p: 1.0, top_k: 0, seed: 299792458 }
+        SamplingParams {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            seed: 299792458,
+        }
     }
 }
 
@@ -55,7 +60,9 @@ pub fn top_candidates(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
         idx.truncate(n);
     }
     idx.sort_by(by_logit);
-    idx.into_iter().map(|t| (t, (logits[t as usize] - max).exp() / sum)).collect()
+    idx.into_iter()
+        .map(|t| (t, (logits[t as usize] - max).exp() / sum))
+        .collect()
 }
 
 /// Draws tokens; owns the random state so a seed reproduces a run.
@@ -67,7 +74,11 @@ pub struct Sampler {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        Sampler { params, rng: StdRng::seed_from_u64(params.seed), scratch: Vec::new() }
+        Sampler {
+            params,
+            rng: StdRng::seed_from_u64(params.seed),
+            scratch: Vec::new(),
+        }
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -82,8 +93,12 @@ impl Sampler {
         let t = self.params.temperature;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         self.scratch.clear();
-        self.scratch
-            .extend(logits.iter().enumerate().map(|(i, &v)| (i as u32, ((v - max) / t).exp())));
+        self.scratch.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| (i as u32, ((v - max) / t).exp())),
+        );
         let probs = &mut self.scratch;
         let k = self.params.top_k;
         let nucleus = self.params.top_p < 1.0;
@@ -137,7 +152,11 @@ mod tests {
 
     #[test]
     fn top_k_one_is_greedy() {
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            ..Default::default()
+        });
         for _ in 0..20 {
             assert_eq!(s.pick(&[0.5, 0.1, 2.0, 1.9]), 2);
         }
@@ -145,7 +164,10 @@ mod tests {
 
     #[test]
     fn sampling_follows_distribution() {
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, ..Default::default() });
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            ..Default::default()
+        });
         let logits = [0.0f32, (3.0f32).ln()]; // p = 0.25, 0.75
         let n = 20000;
         let ones = (0..n).filter(|_| s.pick(&logits) == 1).count() as f64 / n as f64;

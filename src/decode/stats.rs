@@ -29,7 +29,10 @@ pub struct DecodeStats {
 
 impl DecodeStats {
     pub fn new(method: String) -> Self {
-        DecodeStats { method, ..Default::default() }
+        DecodeStats {
+            method,
+            ..Default::default()
+        }
     }
 
     pub fn record_step(&mut self, committed: usize, nodes: usize, rows: usize) {
@@ -58,7 +61,11 @@ impl DecodeStats {
     }
 
     pub fn committed_by_calls(&self) -> usize {
-        self.committed_histogram.iter().enumerate().map(|(n, c)| n * c).sum()
+        self.committed_histogram
+            .iter()
+            .enumerate()
+            .map(|(n, c)| n * c)
+            .sum()
     }
 
     /// Fills the derived fields once decoding is over.

@@ -73,11 +73,20 @@ impl ModelConfig {
         };
         let hidden_size = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
-        let num_kv_heads = v["num_key_value_heads"].as_u64().map(|x| x as usize).unwrap_or(num_heads);
-        let head_dim = v["head_dim"].as_u64().map(|x| x as usize).unwrap_or(hidden_size / num_heads);
+        let num_kv_heads = v["num_key_value_heads"]
+            .as_u64()
+            .map(|x| x as usize)
+            .unwrap_or(num_heads);
+        let head_dim = v["head_dim"]
+            .as_u64()
+            .map(|x| x as usize)
+            .unwrap_or(hidden_size / num_heads);
         let rope_scaling = match v.get("rope_scaling") {
             Some(rs) if rs.is_object() => {
-                let kind = rs["rope_type"].as_str().or_else(|| rs["type"].as_str()).unwrap_or("default");
+                let kind = rs["rope_type"]
+                    .as_str()
+                    .or_else(|| rs["type"].as_str())
+                    .unwrap_or("default");
                 match kind {
                     "llama3" => Some(Llama3RopeScaling {
                         factor: rs["factor"].as_f64().context("rope_scaling.factor")? as f32,
@@ -85,7 +94,8 @@ impl ModelConfig {
                         high_freq_factor: rs["high_freq_factor"].as_f64().unwrap_or(4.0) as f32,
                         original_max_position_embeddings: rs["original_max_position_embeddings"]
                             .as_u64()
-                            .unwrap_or(8192) as usize,
+                            .unwrap_or(8192)
+                            as usize,
                     }),
                     "default" => None,
                     other => bail!("unsupported rope_scaling type '{other}' (supported: llama3, default)"),
@@ -157,7 +167,9 @@ impl ModelConfig {
             rms_norm_eps: get("attention.layer_norm_rms_epsilon")
                 .and_then(|v| v.to_f32().ok())
                 .unwrap_or(1e-6) as f64,
-            rope_theta: get("rope.freq_base").and_then(|v| v.to_f32().ok()).unwrap_or(10_000.0),
+            rope_theta: get("rope.freq_base")
+                .and_then(|v| v.to_f32().ok())
+                .unwrap_or(10_000.0),
             // llama.cpp stores LLaMA 3.1 scaling as a `rope_freqs.weight` tensor; the loader applies it.
             rope_scaling: None,
             max_position_embeddings: req_u("context_length").unwrap_or(4096),

@@ -26,7 +26,12 @@ impl KvCache {
             keys.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
             values.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
         }
-        Ok(KvCache { keys, values, len: 0, capacity })
+        Ok(KvCache {
+            keys,
+            values,
+            len: 0,
+            capacity,
+        })
     }
 
     /// Committed rows.
@@ -64,7 +69,10 @@ impl KvCache {
         self.keys[layer].slice_set(k, 1, self.len)?;
         self.values[layer].slice_set(v, 1, self.len)?;
         let total = self.len + rows;
-        Ok((self.keys[layer].narrow(1, 0, total)?, self.values[layer].narrow(1, 0, total)?))
+        Ok((
+            self.keys[layer].narrow(1, 0, total)?,
+            self.values[layer].narrow(1, 0, total)?,
+        ))
     }
 
     pub fn advance(&mut self, rows: usize) {

@@ -19,7 +19,11 @@ pub struct Linear {
 
 impl Linear {
     pub fn new(weight: Weight, bias: Option<Tensor>) -> Self {
-        Linear { weight, bias, out_perm: None }
+        Linear {
+            weight,
+            bias,
+            out_perm: None,
+        }
     }
 
     pub fn with_out_perm(mut self, perm: Tensor) -> Self {

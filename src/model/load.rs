@@ -22,7 +22,9 @@ pub fn default_model_dir() -> PathBuf {
     if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("probespec");
     }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("."));
     home.join(".cache").join("probespec")
 }
 
@@ -61,7 +63,9 @@ impl ModelSource {
             let parts: Vec<&str> = spec.split('/').collect();
             parts.len() == 2
                 && parts.iter().all(|s| {
-                    !s.is_empty() && !s.starts_with('.') && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+                    !s.is_empty()
+                        && !s.starts_with('.')
+                        && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
                 })
                 && !spec.ends_with(".gguf")
         };
@@ -105,17 +109,24 @@ fn fetch_hub(id: &str) -> Result<PathBuf> {
     let cached = cache.model(id.to_string());
     if let Some(cfg) = cached.get("config.json") {
         let dir = cfg.parent().context("hub cache path")?.to_path_buf();
-        let has_weights = dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists();
+        let has_weights =
+            dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists();
         if has_weights && dir.join("tokenizer.json").exists() {
             return Ok(dir);
         }
     }
     let download = || -> Result<PathBuf> {
-        let api = hf_hub::api::sync::ApiBuilder::from_env().with_progress(true).build()?;
+        let api = hf_hub::api::sync::ApiBuilder::from_env()
+            .with_progress(true)
+            .build()?;
         let repo = api.model(id.to_string());
         let cfg = repo.get("config.json")?;
         repo.get("tokenizer.json")?;
-        for optional in ["tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
+        for optional in [
+            "tokenizer_config.json",
+            "generation_config.json",
+            "chat_template.jinja",
+        ] {
             let _ = repo.get(optional);
         }
         match repo.get("model.safetensors.index.json") {
@@ -146,7 +157,10 @@ fn shard_files(index: &Path) -> Result<Vec<String>> {
     let map = v["weight_map"]
         .as_object()
         .with_context(|| format!("{} has no weight_map", index.display()))?;
-    let mut files: Vec<String> = map.values().filter_map(|s| s.as_str().map(String::from)).collect();
+    let mut files: Vec<String> = map
+        .values()
+        .filter_map(|s| s.as_str().map(String::from))
+        .collect();
     files.sort();
     files.dedup();
     Ok(files)
@@ -157,8 +171,10 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     if !cfg_path.is_file() {
         bail!("{} is not a model folder: config.json not found", dir.display());
     }
-    let cfg_text = std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?;
-    let config = ModelConfig::from_hf_json(&cfg_text).with_context(|| format!("in {}", cfg_path.display()))?;
+    let cfg_text =
+        std::fs::read_to_string(&cfg_path).with_context(|| format!("cannot read {}", cfg_path.display()))?;
+    let config =
+        ModelConfig::from_hf_json(&cfg_text).with_context(|| format!("in {}", cfg_path.display()))?;
     let files = if dir.join("model.safetensors.index.json").is_file() {
         shard_files(&dir.join("model.safetensors.index.json"))?
             .into_iter()
@@ -167,7 +183,10 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     } else if dir.join("model.safetensors").is_file() {
         vec![dir.join("model.safetensors")]
     } else {
-        bail!("{}: no model.safetensors or model.safetensors.index.json", dir.display());
+        bail!(
+            "{}: no model.safetensors or model.safetensors.index.json",
+            dir.display()
+        );
     };
     for f in &files {
         if !f.is_file() {
@@ -179,20 +198,32 @@ fn load_hf_dir(dir: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     // them while the process runs.
     let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, opts.dtype, &opts.device) }
         .map_err(|e| anyhow::anyhow!("cannot read safetensors in {}: {e}", dir.display()))?;
-    let model = build_from_safetensors(config, &vb).with_context(|| format!("loading weights from {}", dir.display()))?;
+    let model = build_from_safetensors(config, &vb)
+        .with_context(|| format!("loading weights from {}", dir.display()))?;
     check_vocab(&model, &tokenizer)?;
-    Ok(LoadedModel { model, tokenizer, description: dir.display().to_string() })
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        description: dir.display().to_string(),
+    })
 }
 
 fn build_from_safetensors(config: ModelConfig, vb: &VarBuilder) -> Result<Transformer> {
     let c = &config;
     let get = |shape: (usize, usize), name: &str| -> Result<Tensor> {
-        vb.get(shape, name).map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
+        vb.get(shape, name)
+            .map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
     };
-    let get1 = |n: usize, name: &str| -> Result<Tensor> { vb.get(n, name).map_err(|e| anyhow::anyhow!("tensor {name}: {e}")) };
+    let get1 = |n: usize, name: &str| -> Result<Tensor> {
+        vb.get(n, name).map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
+    };
     let lin = |out: usize, inp: usize, name: &str, bias: bool| -> Result<Linear> {
         let w = get((out, inp), &format!("{name}.weight"))?;
-        let b = if bias { Some(get1(out, &format!("{name}.bias"))?) } else { None };
+        let b = if bias {
+            Some(get1(out, &format!("{name}.bias"))?)
+        } else {
+            None
+        };
         Ok(Linear::new(Weight::Dense(w), b))
     };
     let (d, hd) = (c.hidden_size, c.head_dim);
@@ -202,20 +233,41 @@ fn build_from_safetensors(config: ModelConfig, vb: &VarBuilder) -> Result<Transf
         let p = format!("model.layers.{i}");
         let qk_norm = |which: &str| -> Result<Option<RmsNorm>> {
             Ok(if c.qk_norm() {
-                Some(RmsNorm::new(get1(hd, &format!("{p}.self_attn.{which}.weight"))?, c.rms_norm_eps))
+                Some(RmsNorm::new(
+                    get1(hd, &format!("{p}.self_attn.{which}.weight"))?,
+                    c.rms_norm_eps,
+                ))
             } else {
                 None
             })
         };
         layers.push(Layer {
             attn_norm: RmsNorm::new(get1(d, &format!("{p}.input_layernorm.weight"))?, c.rms_norm_eps),
-            q_proj: lin(c.num_heads * hd, d, &format!("{p}.self_attn.q_proj"), c.attention_bias)?,
-            k_proj: lin(c.num_kv_heads * hd, d, &format!("{p}.self_attn.k_proj"), c.attention_bias)?,
-            v_proj: lin(c.num_kv_heads * hd, d, &format!("{p}.self_attn.v_proj"), c.attention_bias)?,
+            q_proj: lin(
+                c.num_heads * hd,
+                d,
+                &format!("{p}.self_attn.q_proj"),
+                c.attention_bias,
+            )?,
+            k_proj: lin(
+                c.num_kv_heads * hd,
+                d,
+                &format!("{p}.self_attn.k_proj"),
+                c.attention_bias,
+            )?,
+            v_proj: lin(
+                c.num_kv_heads * hd,
+                d,
+                &format!("{p}.self_attn.v_proj"),
+                c.attention_bias,
+            )?,
             o_proj: lin(d, c.num_heads * hd, &format!("{p}.self_attn.o_proj"), false)?,
             q_norm: qk_norm("q_norm")?,
             k_norm: qk_norm("k_norm")?,
-            mlp_norm: RmsNorm::new(get1(d, &format!("{p}.post_attention_layernorm.weight"))?, c.rms_norm_eps),
+            mlp_norm: RmsNorm::new(
+                get1(d, &format!("{p}.post_attention_layernorm.weight"))?,
+                c.rms_norm_eps,
+            ),
             gate_proj: lin(c.intermediate_size, d, &format!("{p}.mlp.gate_proj"), false)?,
             up_proj: lin(c.intermediate_size, d, &format!("{p}.mlp.up_proj"), false)?,
             down_proj: lin(d, c.intermediate_size, &format!("{p}.mlp.down_proj"), false)?,
@@ -260,18 +312,29 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             );
         }
     }
-    let tokenizer = TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
-    let model = build_from_gguf(&ct, &mut file, opts).with_context(|| format!("loading {}", path.display()))?;
+    let tokenizer =
+        TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
+    let model =
+        build_from_gguf(&ct, &mut file, opts).with_context(|| format!("loading {}", path.display()))?;
     check_vocab(&model, &tokenizer)?;
-    Ok(LoadedModel { model, tokenizer, description: path.display().to_string() })
+    Ok(LoadedModel {
+        model,
+        tokenizer,
+        description: path.display().to_string(),
+    })
 }
 
-fn build_from_gguf(ct: &gguf_file::Content, file: &mut std::fs::File, opts: &LoadOptions) -> Result<Transformer> {
+fn build_from_gguf(
+    ct: &gguf_file::Content,
+    file: &mut std::fs::File,
+    opts: &LoadOptions,
+) -> Result<Transformer> {
     let dev = &opts.device;
     let params: usize = ct.tensor_infos.values().map(|i| i.shape.elem_count()).sum();
     let keep_quantized = |t: GgmlDType, d: &Device| keep_quantized(t, d, params);
     let mut read = |name: &str| -> Result<QTensor> {
-        ct.tensor(file, name, dev).map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
+        ct.tensor(file, name, dev)
+            .map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
     };
     let embed_q = read("token_embd.weight")?;
     let (vocab, _) = embed_q.shape().dims2()?;
@@ -305,7 +368,10 @@ fn build_from_gguf(ct: &gguf_file::Content, file: &mut std::fs::File, opts: &Loa
     for i in 0..c.num_layers {
         let p = format!("blk.{i}");
         let (q_norm, k_norm) = if c.qk_norm() {
-            (Some(norm(read(&format!("{p}.attn_q_norm.weight"))?)?), Some(norm(read(&format!("{p}.attn_k_norm.weight"))?)?))
+            (
+                Some(norm(read(&format!("{p}.attn_q_norm.weight"))?)?),
+                Some(norm(read(&format!("{p}.attn_k_norm.weight"))?)?),
+            )
         } else {
             (None, None)
         };
@@ -324,9 +390,18 @@ fn build_from_gguf(ct: &gguf_file::Content, file: &mut std::fs::File, opts: &Loa
         });
     }
     let final_norm = norm(read("output_norm.weight")?)?;
-    let lm_head = if tied { linear(embed_q)? } else { linear(read("output.weight")?)? };
+    let lm_head = if tied {
+        linear(embed_q)?
+    } else {
+        linear(read("output.weight")?)?
+    };
     let rope_factors = if ct.tensor_infos.contains_key("rope_freqs.weight") {
-        Some(read("rope_freqs.weight")?.dequantize(dev)?.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        Some(
+            read("rope_freqs.weight")?
+                .dequantize(dev)?
+                .to_dtype(DType::F32)?
+                .to_vec1::<f32>()?,
+        )
     } else {
         None
     };

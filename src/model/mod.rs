@@ -25,12 +25,19 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     pub fn new(weight: Tensor, eps: f64) -> Self {
-        RmsNorm { weight, eps: eps as f32 }
+        RmsNorm {
+            weight,
+            eps: eps as f32,
+        }
     }
 
     /// Normalises over the last dimension, whatever the leading shape.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::rms_norm(&x.contiguous()?, &self.weight, self.eps)?)
+        Ok(candle_nn::ops::rms_norm(
+            &x.contiguous()?,
+            &self.weight,
+            self.eps,
+        )?)
     }
 }
 
@@ -90,7 +97,9 @@ impl Transformer {
         let n = config.max_position_embeddings;
         let half = inv_freq.len();
         let inv_freq = Tensor::from_vec(inv_freq, (1, half), &device)?;
-        let t = Tensor::arange(0u32, n as u32, &device)?.to_dtype(DType::F32)?.reshape((n, 1))?;
+        let t = Tensor::arange(0u32, n as u32, &device)?
+            .to_dtype(DType::F32)?
+            .reshape((n, 1))?;
         let freqs = t.matmul(&inv_freq)?;
         Ok(Transformer {
             cos: freqs.cos()?.to_dtype(dtype)?,
@@ -107,7 +116,14 @@ impl Transformer {
 
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
         let c = &self.config;
-        KvCache::new(c.num_layers, capacity, c.num_kv_heads, c.head_dim, self.dtype, &self.device)
+        KvCache::new(
+            c.num_layers,
+            capacity,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            &self.device,
+        )
     }
 
     /// Input embeddings of `ids`: `[ids.len(), hidden]`.
@@ -122,7 +138,13 @@ impl Transformer {
 
     /// Runs a block of `x.dim(0)` rows (`x`: `[rows, hidden]` input embeddings) at `positions`, appending
     /// the block's keys and values to `cache`. Returns final-norm hidden states `[rows, hidden]`.
-    pub fn forward(&self, x: &Tensor, positions: &[u32], mask: &BlockMask, cache: &mut KvCache) -> Result<Tensor> {
+    pub fn forward(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        mask: &BlockMask,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let rows = x.dim(0)?;
         if positions.len() != rows {
             bail!("{} positions for {} rows", positions.len(), rows);
@@ -161,7 +183,10 @@ impl Transformer {
         let contiguous = positions.iter().enumerate().all(|(i, &p)| p == first + i as u32);
         if contiguous {
             let n = positions.len();
-            Ok((self.cos.narrow(0, first as usize, n)?, self.sin.narrow(0, first as usize, n)?))
+            Ok((
+                self.cos.narrow(0, first as usize, n)?,
+                self.sin.narrow(0, first as usize, n)?,
+            ))
         } else {
             let idx = Tensor::new(positions, &self.device)?;
             Ok((self.cos.index_select(&idx, 0)?, self.sin.index_select(&idx, 0)?))
@@ -182,9 +207,18 @@ impl Transformer {
         let c = &self.config;
         let rows = x.dim(0)?;
         let h = l.attn_norm.forward(x)?;
-        let q = l.q_proj.forward(&h)?.reshape((1, rows, c.num_heads, c.head_dim))?;
-        let k = l.k_proj.forward(&h)?.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
-        let v = l.v_proj.forward(&h)?.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
+        let q = l
+            .q_proj
+            .forward(&h)?
+            .reshape((1, rows, c.num_heads, c.head_dim))?;
+        let k = l
+            .k_proj
+            .forward(&h)?
+            .reshape((1, rows, c.num_kv_heads, c.head_dim))?;
+        let v = l
+            .v_proj
+            .forward(&h)?
+            .reshape((1, rows, c.num_kv_heads, c.head_dim))?;
         let q = match &l.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -204,7 +238,14 @@ impl Transformer {
     }
 
     /// `q`: [1, rows, heads, hd]; `k`, `v`: [1, cached + rows, kv_heads, hd]. Returns [rows, heads * hd].
-    fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, mask: &BlockMask, cached: usize) -> Result<Tensor> {
+    fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: &BlockMask,
+        cached: usize,
+    ) -> Result<Tensor> {
         let c = &self.config;
         let rows = q.dim(1)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
@@ -222,7 +263,10 @@ impl Transformer {
                 dt => bail!("unsupported activation dtype {dt:?}"),
             };
             // [1, heads, rows, hd] -> [rows, heads * hd]
-            return Ok(y.squeeze(0)?.transpose(0, 1)?.reshape((rows, c.num_heads * c.head_dim))?);
+            return Ok(y
+                .squeeze(0)?
+                .transpose(0, 1)?
+                .reshape((rows, c.num_heads * c.head_dim))?);
         }
         // GPU path: matmul + additive mask + softmax, in f32 for the softmax.
         let groups = c.num_heads / c.num_kv_heads;
