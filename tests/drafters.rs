@@ -392,13 +392,17 @@ fn sampling_keeps_the_model_distribution() {
             if e.stats.model_calls < 2 {
                 multi += 1;
             }
-            for pos in 0..2 {
-                *counts[pos].0.entry(a.tokens[pos + 1]).or_insert(0usize) += 1;
-                *counts[pos].1.entry(e.tokens[pos + 1]).or_insert(0usize) += 1;
+            for (pos, (ca, ce)) in counts.iter_mut().enumerate() {
+                *ca.entry(a.tokens[pos + 1]).or_insert(0usize) += 1;
+                *ce.entry(e.tokens[pos + 1]).or_insert(0usize) += 1;
             }
         }
         eprintln!("{:?}: drafts accepted in {multi} of 500 runs", m.method);
-        assert!(multi > 20, "{:?}: drafts were accepted in only {multi} of 500 runs", m.method);
+        assert!(
+            multi > 20,
+            "{:?}: drafts were accepted in only {multi} of 500 runs",
+            m.method
+        );
         for (pos, (a, e)) in counts.iter().enumerate() {
             let (stat, df) = chi_square(a, e);
             assert!(df >= 1, "degenerate distribution at position {pos}");
