@@ -3,6 +3,7 @@
 //! - `esp_decode`: the same prompt under ESP at BC 10 and with `--bc auto`;
 //! - `forward_cost`: one forward pass of 1..64 rows after a KV cache of 256 and 1024 tokens, plus the
 //!   logits of one row: cost(S) / cost(1) is the number that decides whether speculation pays.
+//!
 //! Run with `cargo bench --bench decode`; needs `make model`.
 
 use candle_core::{DType, Device, Tensor};

@@ -298,9 +298,9 @@ fn sampling_keeps_the_model_distribution() {
         if e.stats.model_calls < 2 {
             esp_committed_multi += 1;
         }
-        for pos in 0..2 {
-            *counts[pos].0.entry(a.tokens[pos + 1]).or_insert(0usize) += 1;
-            *counts[pos].1.entry(e.tokens[pos + 1]).or_insert(0usize) += 1;
+        for (pos, (ca, ce)) in counts.iter_mut().enumerate() {
+            *ca.entry(a.tokens[pos + 1]).or_insert(0usize) += 1;
+            *ce.entry(e.tokens[pos + 1]).or_insert(0usize) += 1;
         }
     }
     assert!(

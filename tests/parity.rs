@@ -6,7 +6,7 @@ mod common;
 
 use candle_core::{DType, Device, IndexOp, Tensor};
 use candle_nn::VarBuilder;
-use common::{TinyArch, TinySpec};
+use common::TinySpec;
 use probespec::model::load::{load_model, LoadOptions, ModelSource};
 use probespec::model::{BlockMask, Transformer};
 

@@ -200,7 +200,7 @@ impl Drafter for Esp {
         };
         if self.dists.is_empty() {
             // No candidates (first step after the context edge): probe from the root to get some back.
-            return if k + 1 <= max_rows {
+            return if k < max_rows {
                 with_masks(TokenTree::new(root))
             } else {
                 Draft::root_only(root)
