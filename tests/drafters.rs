@@ -4,30 +4,15 @@
 
 mod common;
 
-use candle_core::{DType, Device};
 use common::TinySpec;
 use probespec::cli::{make_drafter, HybridModeArg, MethodArg, MethodArgs};
 use probespec::decode::ar::Autoregressive;
-use probespec::decode::generate::{generate, GenerateParams, Generation};
+use probespec::decode::generate::{generate, GenerateParams};
 use probespec::decode::sampling::SamplingParams;
-use probespec::model::load::{load_model, LoadOptions, ModelSource};
 use probespec::model::Transformer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
-
-fn load(spec: &TinySpec) -> (tempfile::TempDir, Transformer) {
-    let dir = common::tempdir();
-    spec.write_hf(dir.path());
-    let opts = LoadOptions {
-        device: Device::Cpu,
-        dtype: DType::F32,
-    };
-    let m = load_model(&ModelSource::HfDir(dir.path().to_path_buf()), &opts)
-        .unwrap()
-        .model;
-    (dir, m)
-}
 
 /// Random prompts; every third one repeats a short motif and every third one copies a random stretch of
 /// itself (prompt lookup and the n-gram pool find something to draft from).
@@ -111,19 +96,6 @@ fn hybrid_configs() -> Vec<MethodArgs> {
     v
 }
 
-fn run(model: &Transformer, prompt: &[u32], m: &MethodArgs, params: &GenerateParams) -> Generation {
-    let mut d = make_drafter(m, params.sampling.seed).unwrap();
-    generate(model, prompt, d.as_mut(), params, &mut |_| Ok(())).unwrap()
-}
-
-fn greedy(max_new: usize, stops: Vec<u32>) -> GenerateParams {
-    GenerateParams {
-        max_new_tokens: max_new,
-        sampling: SamplingParams::default(),
-        stop_tokens: stops,
-    }
-}
-
 /// Pooled (committed, calls, runs) per method name.
 type Pooled = HashMap<String, (usize, usize, usize)>;
 
@@ -138,7 +110,7 @@ fn check_all(
     for p in prompts {
         let want = generate(model, p, &mut Autoregressive, params, &mut |_| Ok(())).unwrap();
         for m in configs {
-            let got = run(model, p, m, params);
+            let got = common::run(model, p, m, params);
             assert_eq!(
                 got.tokens,
                 want.tokens,
@@ -175,12 +147,12 @@ fn all_configs() -> Vec<MethodArgs> {
 }
 
 fn lossless_on(spec: TinySpec, seed: u64) {
-    let (_d, model) = load(&spec);
+    let (_d, model) = common::load_tiny(&spec);
     let pooled = check_all(
         &model,
         &prompts(9, 1..48, seed),
         &all_configs(),
-        &greedy(48, vec![]),
+        &common::greedy(48, vec![]),
     );
     for m in ["pld", "lookahead", "hybrid"] {
         eprintln!("pooled {m} tau {:.3}", tau(&pooled, m));
@@ -206,9 +178,9 @@ fn lossless_on_tiny_qwen3_every_configuration() {
 #[test]
 fn one_token_prompts() {
     for spec in [TinySpec::llama(), TinySpec::qwen3()] {
-        let (_d, model) = load(&spec);
+        let (_d, model) = common::load_tiny(&spec);
         let ps: Vec<Vec<u32>> = (4..10).map(|t| vec![t * 17 % 252 + 4]).collect();
-        check_all(&model, &ps, &all_configs(), &greedy(32, vec![]));
+        check_all(&model, &ps, &all_configs(), &common::greedy(32, vec![]));
     }
 }
 
@@ -216,14 +188,14 @@ fn one_token_prompts() {
 fn prompts_near_the_context_limit() {
     // max_position_embeddings is 512: prompts of 480..510 tokens run into the window mid-draft (chains,
     // lookahead windows and mask probes cut short or dropped).
-    let (_d, model) = load(&TinySpec::llama());
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
     let ps = prompts(6, 480..511, 23);
-    check_all(&model, &ps, &all_configs(), &greedy(64, vec![]));
+    check_all(&model, &ps, &all_configs(), &common::greedy(64, vec![]));
 }
 
 #[test]
 fn stop_token_and_length_limit_inside_an_accepted_path() {
-    let (_d, model) = load(&TinySpec::llama());
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
     let ps = prompts(6, 2..30, 24);
     let configs = [
         pld(3, 10),
@@ -233,14 +205,23 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
     ];
     let mut stop_inside = 0;
     for p in &ps {
-        let free = generate(&model, p, &mut Autoregressive, &greedy(40, vec![]), &mut |_| {
-            Ok(())
-        })
+        let free = generate(
+            &model,
+            p,
+            &mut Autoregressive,
+            &common::greedy(40, vec![]),
+            &mut |_| Ok(()),
+        )
         .unwrap();
         for &stop in free.tokens[5..].iter().take(3) {
-            check_all(&model, std::slice::from_ref(p), &configs, &greedy(40, vec![stop]));
+            check_all(
+                &model,
+                std::slice::from_ref(p),
+                &configs,
+                &common::greedy(40, vec![stop]),
+            );
             for m in &configs {
-                if run(&model, p, m, &greedy(40, vec![stop]))
+                if common::run(&model, p, m, &common::greedy(40, vec![stop]))
                     .stats
                     .committed_histogram
                     .len()
@@ -255,7 +236,7 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
                 &model,
                 std::slice::from_ref(p),
                 &configs,
-                &greedy(max_new, vec![]),
+                &common::greedy(max_new, vec![]),
             );
         }
     }
@@ -268,7 +249,7 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
 #[test]
 fn hybrid_beats_its_parents_on_repetitive_text() {
     // Not a benchmark: a sanity check that merging sources does not lose what each source finds alone.
-    let (_d, model) = load(&TinySpec::llama());
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
     let ps = prompts(9, 8..48, 25);
     let configs = [
         pld(3, 10),
@@ -281,7 +262,7 @@ fn hybrid_beats_its_parents_on_repetitive_text() {
         hybrid(30, 1, HybridModeArg::Simple),
         hybrid(30, 1, HybridModeArg::Scored),
     ];
-    let params = greedy(48, vec![]);
+    let params = common::greedy(48, vec![]);
     let mut taus = Vec::new();
     for m in &configs {
         let p = check_all(&model, &ps, std::slice::from_ref(m), &params);
@@ -305,62 +286,30 @@ fn hybrid_beats_its_parents_on_repetitive_text() {
     );
 }
 
-/// Two-sample chi-square homogeneity statistic over categories with enough expected mass; returns
-/// (statistic, degrees of freedom).
-fn chi_square(a: &HashMap<u32, usize>, b: &HashMap<u32, usize>) -> (f64, usize) {
-    let (na, nb) = (a.values().sum::<usize>() as f64, b.values().sum::<usize>() as f64);
-    let mut keys: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
-    keys.sort();
-    keys.dedup();
-    let (mut bins, mut rest) = (Vec::new(), (0.0, 0.0));
-    for k in keys {
-        let (x, y) = (*a.get(&k).unwrap_or(&0) as f64, *b.get(&k).unwrap_or(&0) as f64);
-        if x + y < 10.0 {
-            rest.0 += x;
-            rest.1 += y;
-        } else {
-            bins.push((x, y));
-        }
-    }
-    if rest.0 + rest.1 > 0.0 {
-        bins.push(rest);
-    }
-    let mut stat = 0.0;
-    for (x, y) in &bins {
-        let tot = x + y;
-        let (ea, eb) = (tot * na / (na + nb), tot * nb / (na + nb));
-        stat += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
-    }
-    (stat, bins.len().saturating_sub(1))
-}
-
-/// Upper 0.1% point of chi-square with `df` degrees of freedom (Wilson-Hilferty approximation).
-fn chi_square_critical_001(df: usize) -> f64 {
-    let k = df as f64;
-    let z = 3.090;
-    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
-}
-
 #[test]
 fn sampling_keeps_the_model_distribution() {
     // The 2nd and 3rd sampled tokens come from accepted drafts or bonus tokens; their distribution must equal
     // plain sampling: one chi-square test per position and method at a 0.1% false-alarm rate, 500 seeds.
     let mut spec = TinySpec::llama();
     spec.scale = 0.5; // sharp enough that prompt lookup finds the model's loops, diverse enough to test
-    let (_d, model) = load(&spec);
+    let (_d, model) = common::load_tiny(&spec);
     // A prompt where prompt lookup drafts what the model says next: of a few prompts followed by 40 tokens
     // of the model's own greedy output, the one with the best greedy prompt-lookup acceptance.
     let prompt = prompts(30, 10..24, 26)
         .into_iter()
         .map(|p| {
-            let g = generate(&model, &p, &mut Autoregressive, &greedy(40, vec![]), &mut |_| {
-                Ok(())
-            })
+            let g = generate(
+                &model,
+                &p,
+                &mut Autoregressive,
+                &common::greedy(40, vec![]),
+                &mut |_| Ok(()),
+            )
             .unwrap();
             [p, g.tokens].concat()
         })
         .max_by_key(|p| {
-            let g = run(&model, p, &pld(3, 10), &greedy(3, vec![]));
+            let g = common::run(&model, p, &pld(3, 10), &common::greedy(3, vec![]));
             (
                 g.tokens.len() + 1 - g.stats.model_calls,
                 std::cmp::Reverse(p.len()),
@@ -388,7 +337,7 @@ fn sampling_keeps_the_model_distribution() {
                 stop_tokens: vec![],
             };
             let a = generate(&model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
-            let e = run(&model, &prompt, m, &params);
+            let e = common::run(&model, &prompt, m, &params);
             if e.stats.model_calls < 2 {
                 multi += 1;
             }
@@ -404,9 +353,9 @@ fn sampling_keeps_the_model_distribution() {
             m.method
         );
         for (pos, (a, e)) in counts.iter().enumerate() {
-            let (stat, df) = chi_square(a, e);
+            let (stat, df) = common::chi_square(a, e);
             assert!(df >= 1, "degenerate distribution at position {pos}");
-            let crit = chi_square_critical_001(df);
+            let crit = common::chi_square_critical_001(df);
             assert!(
                 stat < crit,
                 "{:?} position {}: chi2 {stat:.1} >= {crit:.1} (df {df})",

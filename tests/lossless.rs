@@ -3,31 +3,14 @@
 
 mod common;
 
-use candle_core::{DType, Device};
 use common::TinySpec;
-use probespec::cli::{make_drafter, MaskInitArg, MethodArg, MethodArgs, TreeArg};
+use probespec::cli::{MaskInitArg, MethodArg, MethodArgs, TreeArg};
 use probespec::decode::ar::Autoregressive;
-use probespec::decode::generate::{generate, GenerateParams, Generation};
+use probespec::decode::generate::{generate, GenerateParams};
 use probespec::decode::sampling::SamplingParams;
-use probespec::model::load::{load_model, LoadOptions, ModelSource};
 use probespec::model::Transformer;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-fn load(spec: &TinySpec) -> (tempfile::TempDir, Transformer) {
-    let dir = common::tempdir();
-    spec.write_hf(dir.path());
-    let m = load_model(
-        &ModelSource::HfDir(dir.path().to_path_buf()),
-        &LoadOptions {
-            device: Device::Cpu,
-            dtype: DType::F32,
-        },
-    )
-    .unwrap()
-    .model;
-    (dir, m)
-}
 
 /// Random prompts; every third one repeats a short motif, which makes drafts easier to accept.
 fn prompts(n: usize, len: std::ops::Range<usize>, seed: u64) -> Vec<Vec<u32>> {
@@ -87,19 +70,6 @@ fn esp_configs() -> Vec<MethodArgs> {
     v
 }
 
-fn run(model: &Transformer, prompt: &[u32], m: &MethodArgs, params: &GenerateParams) -> Generation {
-    let mut d = make_drafter(m, params.sampling.seed).unwrap();
-    generate(model, prompt, d.as_mut(), params, &mut |_| Ok(())).unwrap()
-}
-
-fn greedy(max_new: usize, stops: Vec<u32>) -> GenerateParams {
-    GenerateParams {
-        max_new_tokens: max_new,
-        sampling: SamplingParams::default(),
-        stop_tokens: stops,
-    }
-}
-
 /// Checks every configuration against AR on every prompt; returns (committed, calls) pooled over ESP runs.
 fn check_all(
     model: &Transformer,
@@ -111,7 +81,7 @@ fn check_all(
     for p in prompts {
         let want = generate(model, p, &mut Autoregressive, params, &mut |_| Ok(())).unwrap();
         for m in configs {
-            let got = run(model, p, m, params);
+            let got = common::run(model, p, m, params);
             assert_eq!(
                 got.tokens,
                 want.tokens,
@@ -132,12 +102,12 @@ fn check_all(
 
 #[test]
 fn esp_is_lossless_on_tiny_llama_every_configuration() {
-    let (_d, model) = load(&TinySpec::llama());
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
     let (c, n) = check_all(
         &model,
         &prompts(8, 1..40, 11),
         &esp_configs(),
-        &greedy(48, vec![]),
+        &common::greedy(48, vec![]),
     );
     // The speculative path must actually be exercised, or the test proves nothing.
     eprintln!("pooled ESP tau {:.3}", c as f64 / n as f64);
@@ -150,12 +120,12 @@ fn esp_is_lossless_on_tiny_llama_every_configuration() {
 
 #[test]
 fn esp_is_lossless_on_tiny_qwen3_every_configuration() {
-    let (_d, model) = load(&TinySpec::qwen3());
+    let (_d, model) = common::load_tiny(&TinySpec::qwen3());
     let (c, n) = check_all(
         &model,
         &prompts(8, 1..40, 12),
         &esp_configs(),
-        &greedy(48, vec![]),
+        &common::greedy(48, vec![]),
     );
     eprintln!("pooled ESP tau {:.3}", c as f64 / n as f64);
     assert!(
@@ -168,23 +138,23 @@ fn esp_is_lossless_on_tiny_qwen3_every_configuration() {
 #[test]
 fn one_token_prompts() {
     for spec in [TinySpec::llama(), TinySpec::qwen3()] {
-        let (_d, model) = load(&spec);
+        let (_d, model) = common::load_tiny(&spec);
         let ps: Vec<Vec<u32>> = (4..12).map(|t| vec![t * 17 % 252 + 4]).collect();
-        check_all(&model, &ps, &esp_configs()[..6], &greedy(32, vec![]));
+        check_all(&model, &ps, &esp_configs()[..6], &common::greedy(32, vec![]));
     }
 }
 
 #[test]
 fn prompts_near_the_context_limit() {
     // max_position_embeddings is 512: prompts of 480..510 tokens run into the window mid-tree.
-    let (_d, model) = load(&TinySpec::llama());
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
     let ps = prompts(6, 480..511, 13);
-    check_all(&model, &ps, &esp_configs(), &greedy(64, vec![]));
+    check_all(&model, &ps, &esp_configs(), &common::greedy(64, vec![]));
     let g = generate(
         &model,
         &ps[0],
         &mut Autoregressive,
-        &greedy(64, vec![]),
+        &common::greedy(64, vec![]),
         &mut |_| Ok(()),
     )
     .unwrap();
@@ -193,7 +163,7 @@ fn prompts_near_the_context_limit() {
 
 #[test]
 fn stop_token_and_length_limit_inside_an_accepted_path() {
-    let (_d, model) = load(&TinySpec::llama());
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
     let ps = prompts(9, 2..30, 14);
     let configs = [
         method(MethodArg::Esp, 30, 1, TreeArg::Dynamic, None),
@@ -201,15 +171,24 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
     ];
     let mut stop_inside = 0;
     for p in &ps {
-        let free = generate(&model, p, &mut Autoregressive, &greedy(40, vec![]), &mut |_| {
-            Ok(())
-        })
+        let free = generate(
+            &model,
+            p,
+            &mut Autoregressive,
+            &common::greedy(40, vec![]),
+            &mut |_| Ok(()),
+        )
         .unwrap();
         // Stop at a token plain decoding emits at step 5..: whether ESP reaches it inside a path or not, it
         // must end exactly there.
         for &stop in free.tokens[5..].iter().take(4) {
-            check_all(&model, std::slice::from_ref(p), &configs, &greedy(40, vec![stop]));
-            let esp = run(&model, p, &configs[0], &greedy(40, vec![stop]));
+            check_all(
+                &model,
+                std::slice::from_ref(p),
+                &configs,
+                &common::greedy(40, vec![stop]),
+            );
+            let esp = common::run(&model, p, &configs[0], &common::greedy(40, vec![stop]));
             if esp.stats.committed_histogram.len() > 2 {
                 stop_inside += 1;
             }
@@ -219,7 +198,7 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
                 &model,
                 std::slice::from_ref(p),
                 &configs,
-                &greedy(max_new, vec![]),
+                &common::greedy(max_new, vec![]),
             );
         }
     }
@@ -229,47 +208,6 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
     );
 }
 
-/// Two-sample chi-square homogeneity statistic over categories with enough expected mass; returns
-/// (statistic, degrees of freedom).
-fn chi_square(
-    a: &std::collections::HashMap<u32, usize>,
-    b: &std::collections::HashMap<u32, usize>,
-) -> (f64, usize) {
-    let (na, nb) = (a.values().sum::<usize>() as f64, b.values().sum::<usize>() as f64);
-    let mut keys: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
-    keys.sort();
-    keys.dedup();
-    // Pool categories whose combined count is under 10 into one bin.
-    let (mut bins, mut rest) = (Vec::new(), (0.0, 0.0));
-    for k in keys {
-        let (x, y) = (*a.get(&k).unwrap_or(&0) as f64, *b.get(&k).unwrap_or(&0) as f64);
-        if x + y < 10.0 {
-            rest.0 += x;
-            rest.1 += y;
-        } else {
-            bins.push((x, y));
-        }
-    }
-    if rest.0 + rest.1 > 0.0 {
-        bins.push(rest);
-    }
-    let mut stat = 0.0;
-    for (x, y) in &bins {
-        let tot = x + y;
-        let ea = tot * na / (na + nb);
-        let eb = tot * nb / (na + nb);
-        stat += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
-    }
-    (stat, bins.len().saturating_sub(1))
-}
-
-/// Upper 0.1% point of chi-square with `df` degrees of freedom (Wilson-Hilferty approximation).
-fn chi_square_critical_001(df: usize) -> f64 {
-    let k = df as f64;
-    let z = 3.090; // one-sided 0.999 normal quantile
-    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
-}
-
 #[test]
 fn sampling_keeps_the_model_distribution() {
     // The 2nd and 3rd sampled tokens come from accepted drafts or bonus tokens under ESP; their distribution
@@ -277,7 +215,7 @@ fn sampling_keeps_the_model_distribution() {
     // together at about 0.2%), over 600 seeds per method.
     let mut spec = TinySpec::llama();
     spec.scale = 0.3; // sharper distributions: drafts get accepted under sampling too
-    let (_d, model) = load(&spec);
+    let (_d, model) = common::load_tiny(&spec);
     let prompt: Vec<u32> = vec![10, 20, 30, 10, 20, 30, 10, 20];
     let esp = method(MethodArg::Esp, 30, 1, TreeArg::Dynamic, None);
     let mut counts = vec![(std::collections::HashMap::new(), std::collections::HashMap::new()); 2];
@@ -294,7 +232,7 @@ fn sampling_keeps_the_model_distribution() {
             stop_tokens: vec![],
         };
         let a = generate(&model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
-        let e = run(&model, &prompt, &esp, &params);
+        let e = common::run(&model, &prompt, &esp, &params);
         if e.stats.model_calls < 2 {
             esp_committed_multi += 1;
         }
@@ -308,9 +246,9 @@ fn sampling_keeps_the_model_distribution() {
         "drafts were accepted in only {esp_committed_multi} of 600 runs"
     );
     for (pos, (a, e)) in counts.iter().enumerate() {
-        let (stat, df) = chi_square(a, e);
+        let (stat, df) = common::chi_square(a, e);
         assert!(df >= 1, "degenerate distribution at position {pos}");
-        let crit = chi_square_critical_001(df);
+        let crit = common::chi_square_critical_001(df);
         assert!(
             stat < crit,
             "position {}: chi2 {stat:.1} >= {crit:.1} (df {df})",

@@ -396,3 +396,72 @@ pub fn smollm2_path() -> PathBuf {
 pub fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
+
+/// Loads a tiny checkpoint written to a fresh temporary folder (kept alive by the returned guard).
+pub fn load_tiny(spec: &TinySpec) -> (tempfile::TempDir, probespec::model::Transformer) {
+    let dir = tempdir();
+    spec.write_hf(dir.path());
+    let opts = probespec::model::load::LoadOptions {
+        device: Device::Cpu,
+        dtype: candle_core::DType::F32,
+    };
+    let source = probespec::model::load::ModelSource::HfDir(dir.path().to_path_buf());
+    let m = probespec::model::load::load_model(&source, &opts).unwrap().model;
+    (dir, m)
+}
+
+/// Generates with the drafter a method's flags describe.
+pub fn run(
+    model: &probespec::model::Transformer,
+    prompt: &[u32],
+    m: &probespec::cli::MethodArgs,
+    params: &probespec::decode::generate::GenerateParams,
+) -> probespec::decode::generate::Generation {
+    let mut d = probespec::cli::make_drafter(m, params.sampling.seed).unwrap();
+    probespec::decode::generate::generate(model, prompt, d.as_mut(), params, &mut |_| Ok(())).unwrap()
+}
+
+/// Greedy decoding of at most `max_new` tokens, stopping at `stops`.
+pub fn greedy(max_new: usize, stops: Vec<u32>) -> probespec::decode::generate::GenerateParams {
+    probespec::decode::generate::GenerateParams {
+        max_new_tokens: max_new,
+        sampling: Default::default(),
+        stop_tokens: stops,
+    }
+}
+
+/// Two-sample chi-square homogeneity statistic over categories, pooling those with a combined count under
+/// 10 into one bin; returns (statistic, degrees of freedom).
+pub fn chi_square(a: &HashMap<u32, usize>, b: &HashMap<u32, usize>) -> (f64, usize) {
+    let (na, nb) = (a.values().sum::<usize>() as f64, b.values().sum::<usize>() as f64);
+    let mut keys: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
+    keys.sort();
+    keys.dedup();
+    let (mut bins, mut rest) = (Vec::new(), (0.0, 0.0));
+    for k in keys {
+        let (x, y) = (*a.get(&k).unwrap_or(&0) as f64, *b.get(&k).unwrap_or(&0) as f64);
+        if x + y < 10.0 {
+            rest.0 += x;
+            rest.1 += y;
+        } else {
+            bins.push((x, y));
+        }
+    }
+    if rest.0 + rest.1 > 0.0 {
+        bins.push(rest);
+    }
+    let mut stat = 0.0;
+    for (x, y) in &bins {
+        let tot = x + y;
+        let (ea, eb) = (tot * na / (na + nb), tot * nb / (na + nb));
+        stat += (x - ea).powi(2) / ea + (y - eb).powi(2) / eb;
+    }
+    (stat, bins.len().saturating_sub(1))
+}
+
+/// Upper 0.1% point of chi-square with `df` degrees of freedom (Wilson-Hilferty approximation).
+pub fn chi_square_critical_001(df: usize) -> f64 {
+    let k = df as f64;
+    let z = 3.090; // one-sided 0.999 normal quantile
+    k * (1.0 - 2.0 / (9.0 * k) + z * (2.0 / (9.0 * k)).sqrt()).powi(3)
+}
