@@ -104,7 +104,7 @@ pub struct MethodArgs {
     pub method: MethodArg,
     /// Block complexity: tokens per forward pass, masks included, (k+1)(1 + sum K_i); "auto" picks it per
     /// step from the measured forward cost and the observed acceptance (stored as 0).
-    #[arg(long, default_value = "30", value_parser = parse_bc)]
+    #[arg(long, default_value = "auto", value_parser = parse_bc)]
     pub bc: usize,
     /// Mask tokens per tree node (k).
     #[arg(long, default_value_t = 1)]
@@ -249,7 +249,7 @@ pub fn make_drafter(m: &MethodArgs, seed: u64) -> Result<Box<dyn Drafter>> {
             }
             let tree = match (&m.branches, m.tree) {
                 (Some(b), _) => TreeShape::Static { branches: b.clone() },
-                (None, _) if m.bc == BC_AUTO => TreeShape::Auto,
+                (None, TreeArg::Dynamic) if m.bc == BC_AUTO => TreeShape::Auto,
                 (None, TreeArg::Dynamic) => TreeShape::Dynamic { budget: budget(m)? },
                 (None, TreeArg::Static) => TreeShape::Static {
                     branches: default_branches(budget(m)?, m.masks),
@@ -321,10 +321,9 @@ fn budget(m: &MethodArgs) -> Result<usize> {
     if !(1..=3).contains(&m.masks) {
         bail!("--masks must be 1, 2 or 3 (got {})", m.masks);
     }
-    if m.bc == BC_AUTO {
-        bail!("--bc auto works with --method esp and a dynamic tree only");
-    }
-    node_budget(m.bc, m.masks).map_err(|e| anyhow::anyhow!(e))
+    // Only ESP's dynamic tree has an auto policy; elsewhere "auto" (the default) means the paper's BC 30.
+    let bc = if m.bc == BC_AUTO { 30 } else { m.bc };
+    node_budget(bc, m.masks).map_err(|e| anyhow::anyhow!(e))
 }
 
 /// A static shape for a node budget: the paper's proportions (BC 30, k=2: [7, 2]; BC 60, k=2: [15, 4]).
