@@ -265,3 +265,49 @@ fn generates_from_argument_and_stdin_and_json() {
     assert_eq!(v["stats"]["tau"], 1.0);
     assert_eq!(v["stats"]["method"], "ar");
 }
+
+#[test]
+fn hub_id_missing_from_the_cache_offline() {
+    let hf = common::tempdir();
+    let (code, _, err) = probespec_env(
+        &["--model", "someorg/some-model", "hi"],
+        &[("HF_HOME", hf.path())],
+    );
+    assert_ne!(code, 0);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("'someorg/some-model' is not in the local hub cache"),
+        "{err}"
+    );
+}
+
+#[test]
+fn hub_id_found_in_the_local_cache() {
+    // The hf-hub cache layout: models--ORG--NAME/refs/main holds a revision, snapshots/REV/ the files.
+    let hf = common::tempdir();
+    let repo = hf.path().join("hub").join("models--tiny--llama");
+    let rev = "0123456789abcdef0123456789abcdef01234567";
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs").join("main"), rev).unwrap();
+    TinySpec::llama().write_hf(&repo.join("snapshots").join(rev));
+    let (code, out, err) = probespec_env(
+        &["--model", "tiny/llama", "--max-new-tokens", "4", "w5 w6"],
+        &[("HF_HOME", hf.path())],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(!out.trim().is_empty());
+}
+
+fn probespec_env(args: &[&str], env: &[(&str, &std::path::Path)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_probespec"));
+    cmd.args(args).stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
