@@ -207,7 +207,7 @@ mod tests {
     fn flat_cost_picks_a_large_tree() {
         // A GPU-like curve: 64 rows cost barely more than one.
         let a = AutoBudget::new(curve([1.0, 1.0, 1.0, 1.01, 1.02, 1.05]), 1);
-        assert_eq!(a.choose(), Some(29));
+        assert!(a.choose() >= Some(14), "{:?}", a.choose());
     }
 
     #[test]

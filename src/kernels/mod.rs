@@ -9,8 +9,11 @@
 //!
 //! [`matmul_xwt`] (and its tensor wrapper [`linear_f32`]) computes `x · Wᵀ` with a per-element
 //! reduction order fixed independently of the number of rows, the other rows, tiling and threading,
-//! and is memory-bandwidth bound for the few rows of decoding and verification.
+//! and is memory-bandwidth bound for the few rows of decoding and verification. [`attention_f32`] does the
+//! same for attention under an arbitrary tree mask.
 
+pub mod attention;
 pub mod matmul;
 
+pub use attention::{attention_f32, Visibility};
 pub use matmul::{linear_f32, matmul_xwt};

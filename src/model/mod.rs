@@ -249,6 +249,21 @@ impl Transformer {
         let c = &self.config;
         let rows = q.dim(1)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        if self.device.is_cpu() && self.dtype == DType::F32 {
+            use crate::kernels::{attention_f32, Visibility};
+            return Ok(match mask {
+                BlockMask::Causal => attention_f32(q, k, v, Visibility::Causal { offset: cached }, scale)?,
+                BlockMask::Additive(m) => {
+                    let m = m.to_dtype(DType::F32)?.contiguous()?;
+                    let (guard, layout) = m.storage_and_layout();
+                    let candle_core::Storage::Cpu(cpu) = &*guard else {
+                        bail!("mask is not on the CPU")
+                    };
+                    let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
+                    attention_f32(q, k, v, Visibility::Additive(&data[..m.elem_count()]), scale)?
+                }
+            });
+        }
         if self.device.is_cpu() {
             use candle_nn::attention::{flash_attn, AttnMask};
             let m = match mask {

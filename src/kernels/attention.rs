@@ -1,0 +1,217 @@
+//! Row-invariant attention for f32 on the CPU, with an arbitrary additive mask.
+//!
+//! Each (query row, head) is computed by one thread with one fixed sequence of operations over the keys it
+//! may see, in cache order: scores (a dot product with a fixed 8-lane reduction), their maximum, the sum of
+//! exponentials, and the weighted sum of values. Masked keys are skipped outright, so a tree node that sees
+//! prefix + ancestors computes exactly what plain decoding computes for the same token over the same
+//! cache: the property speculative decoding's losslessness rests on. candle's CPU flash-attention kernel
+//! takes a scalar path per key when given a mask, which made every extra row of a speculative block cost
+//! about as much attention as a whole plain step at long contexts; this kernel is vectorisable either way.
+
+use candle_core::{DType, Error, Result, Storage, Tensor};
+use rayon::prelude::*;
+
+/// Which keys a query row may see.
+#[derive(Clone, Copy)]
+pub enum Visibility<'a> {
+    /// Row i sees keys 0..=offset + i.
+    Causal { offset: usize },
+    /// Additive mask `[rows, keys]`: 0 visible, -inf hidden (finite values are added to the score).
+    Additive(&'a [f32]),
+}
+
+/// Sum of products with a fixed reduction order (8 lanes, then a fixed tree).
+#[inline]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let chunks = a.len() / 8;
+    for c in 0..chunks {
+        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
+        for l in 0..8 {
+            acc[l] += x[l] * y[l];
+        }
+    }
+    for i in chunks * 8..a.len() {
+        acc[i % 8] += a[i] * b[i];
+    }
+    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// Borrowed f32 data of a CPU tensor whose last two dims are contiguous, from its start offset.
+fn cpu_f32<'a>(guard: &'a Storage, start: usize) -> Result<&'a [f32]> {
+    match guard {
+        Storage::Cpu(cpu) => Ok(&cpu.as_slice::<f32>()?[start..]),
+        _ => Err(Error::Msg("attention_f32 takes CPU tensors".into())),
+    }
+}
+
+/// `q`: [1, rows, heads, hd]; `k`, `v`: [1, keys, kv_heads, hd] (a prefix view of the KV cache);
+/// returns [rows, heads * hd].
+pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale: f32) -> Result<Tensor> {
+    for t in [q, k, v] {
+        if t.dtype() != DType::F32 {
+            return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
+        }
+    }
+    let (_, rows, heads, hd) = q.dims4()?;
+    let (_, keys, kv_heads, _) = k.dims4()?;
+    if let Visibility::Additive(m) = vis {
+        if m.len() != rows * keys {
+            return Err(Error::Msg(format!(
+                "mask has {} entries for {rows} x {keys}",
+                m.len()
+            )));
+        }
+    }
+    let q = q.contiguous()?;
+    let qv = q.flatten_all()?.to_vec1::<f32>()?;
+    let (kg, kl) = k.storage_and_layout();
+    let (vg, vl) = v.storage_and_layout();
+    // Keys and values are read row by row: each [kv_heads, hd] row must be contiguous.
+    let row_stride = kl.stride()[1];
+    if kl.stride()[2..] != [hd, 1] || vl.stride()[2..] != [hd, 1] || vl.stride()[1] != row_stride {
+        return Err(Error::Msg(
+            "attention_f32: keys/values rows must be contiguous".into(),
+        ));
+    }
+    let (kd, vd) = (cpu_f32(&kg, kl.start_offset())?, cpu_f32(&vg, vl.start_offset())?);
+    let group = heads / kv_heads;
+    let mut out = vec![0.0f32; rows * heads * hd];
+    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+        let (r, h) = (i / heads, i % heads);
+        let kvh = h / group;
+        let qr = &qv[(r * heads + h) * hd..(r * heads + h + 1) * hd];
+        let visible = |j: usize| -> Option<f32> {
+            match vis {
+                Visibility::Causal { offset } => (j <= offset + r).then_some(0.0),
+                Visibility::Additive(m) => {
+                    let x = m[r * keys + j];
+                    (x != f32::NEG_INFINITY).then_some(x)
+                }
+            }
+        };
+        let mut scores = vec![f32::NEG_INFINITY; keys];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            if let Some(bias) = visible(j) {
+                let base = j * row_stride + kvh * hd;
+                *s = dot(qr, &kd[base..base + hd]) * scale + bias;
+                max = max.max(*s);
+            }
+        }
+        let mut sum = 0.0f32;
+        for (j, s) in scores.iter().enumerate() {
+            if *s == f32::NEG_INFINITY {
+                continue;
+            }
+            let p = (s - max).exp();
+            sum += p;
+            let base = j * row_stride + kvh * hd;
+            for (oi, vi) in o.iter_mut().zip(&vd[base..base + hd]) {
+                *oi += p * vi;
+            }
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    });
+    Tensor::from_vec(out, (rows, heads * hd), q.device())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn rand_tensor(shape: &[usize], seed: u32) -> Tensor {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n)
+            .map(|i| {
+                (((i as u32).wrapping_mul(2654435761).wrapping_add(seed * 97)) % 1000) as f32 / 500.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Straightforward f64 attention over the visible keys.
+    fn reference(q: &Tensor, k: &Tensor, v: &Tensor, visible: &dyn Fn(usize, usize) -> bool) -> Vec<f32> {
+        let (_, rows, heads, hd) = q.dims4().unwrap();
+        let (_, keys, kvh, _) = k.dims4().unwrap();
+        let (q, k, v) = (
+            q.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            k.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            v.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        let mut out = vec![0.0; rows * heads * hd];
+        for r in 0..rows {
+            for h in 0..heads {
+                let g = h / (heads / kvh);
+                let s: Vec<Option<f64>> = (0..keys)
+                    .map(|j| {
+                        visible(r, j).then(|| {
+                            (0..hd)
+                                .map(|d| {
+                                    q[(r * heads + h) * hd + d] as f64 * k[(j * kvh + g) * hd + d] as f64
+                                })
+                                .sum::<f64>()
+                                / (hd as f64).sqrt()
+                        })
+                    })
+                    .collect();
+                let m = s.iter().flatten().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = s.iter().flatten().map(|x| (x - m).exp()).sum();
+                for d in 0..hd {
+                    let y: f64 = (0..keys)
+                        .filter_map(|j| s[j].map(|x| (x - m).exp() / z * v[(j * kvh + g) * hd + d] as f64))
+                        .sum();
+                    out[(r * heads + h) * hd + d] = y as f32;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_reference_and_is_row_invariant() {
+        let (rows, heads, kvh, hd, cached) = (5, 4, 2, 16, 7);
+        let keys = cached + rows;
+        let q = rand_tensor(&[1, rows, heads, hd], 1);
+        let k = rand_tensor(&[1, keys, kvh, hd], 2);
+        let v = rand_tensor(&[1, keys, kvh, hd], 3);
+        let scale = 1.0 / (hd as f32).sqrt();
+        // A tree: rows 0 <- 1 <- 2, and 0 <- 3 <- 4.
+        let parent = [usize::MAX, 0, 1, 0, 3];
+        let sees = |r: usize, j: usize| -> bool {
+            if j < cached {
+                return true;
+            }
+            let mut n = r;
+            loop {
+                if n == j - cached {
+                    return true;
+                }
+                if parent[n] == usize::MAX {
+                    return false;
+                }
+                n = parent[n];
+            }
+        };
+        let mask: Vec<f32> = (0..rows)
+            .flat_map(|r| (0..keys).map(move |j| (r, j)))
+            .map(|(r, j)| if sees(r, j) { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let got = attention_f32(&q, &k, &v, Visibility::Additive(&mask), scale).unwrap();
+        let got = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let want = reference(&q, &k, &v, &sees);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+        // Row 4 alone, with its visible keys laid out contiguously (prefix, root, node 3, node 4) as plain
+        // decoding's cache would hold them, gives the same bits.
+        let idx = Tensor::new(&[0u32, 1, 2, 3, 4, 5, 6, 7, 10, 11], &Device::Cpu).unwrap();
+        let (k1, v1) = (k.index_select(&idx, 1).unwrap(), v.index_select(&idx, 1).unwrap());
+        let q1 = q.narrow(1, 4, 1).unwrap();
+        let alone = attention_f32(&q1, &k1, &v1, Visibility::Causal { offset: 9 }, scale).unwrap();
+        let alone = alone.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(alone, got[4 * heads * hd..].to_vec());
+    }
+}
