@@ -38,7 +38,7 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Borrowed f32 data of a CPU tensor whose last two dims are contiguous, from its start offset.
-fn cpu_f32<'a>(guard: &'a Storage, start: usize) -> Result<&'a [f32]> {
+fn cpu_f32(guard: &Storage, start: usize) -> Result<&[f32]> {
     match guard {
         Storage::Cpu(cpu) => Ok(&cpu.as_slice::<f32>()?[start..]),
         _ => Err(Error::Msg("attention_f32 takes CPU tensors".into())),
