@@ -21,7 +21,7 @@ pub enum Visibility<'a> {
 }
 
 /// Sum of products with a fixed reduction order (8 lanes, then a fixed tree).
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let chunks = a.len() / 8;
@@ -35,6 +35,82 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
         acc[i % 8] += a[i] * b[i];
     }
     ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+}
+
+/// Whether to compile the per-row loops for 256-bit vectors. The arithmetic is the same either way (plain
+/// multiplies and adds in a fixed order, no fused multiply-add), only the vector width differs, so the
+/// choice never changes a result.
+fn wide_vectors() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        *WIDE.get_or_init(|| is_x86_feature_detected!("avx2"))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// One attention problem, split by (query row, head).
+struct HeadRows<'a> {
+    qv: &'a [f32],
+    kd: &'a [f32],
+    vd: &'a [f32],
+    vis: Visibility<'a>,
+    scale: f32,
+    keys: usize,
+    heads: usize,
+    hd: usize,
+    group: usize,
+    row_stride: usize,
+}
+
+impl HeadRows<'_> {
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn run_avx2(&self, i: usize, o: &mut [f32]) {
+        self.run(i, o)
+    }
+
+    /// Output `o` (head_dim values) of query row `i / heads`, head `i % heads`.
+    #[inline(always)]
+    fn run(&self, i: usize, o: &mut [f32]) {
+        let (hd, keys) = (self.hd, self.keys);
+        let (r, h) = (i / self.heads, i % self.heads);
+        let kvh = h / self.group;
+        let qr = &self.qv[(r * self.heads + h) * hd..(r * self.heads + h + 1) * hd];
+        let visible = |j: usize| -> Option<f32> {
+            match self.vis {
+                Visibility::Causal { offset } => (j <= offset + r).then_some(0.0),
+                Visibility::Additive(m) => {
+                    let x = m[r * keys + j];
+                    (x != f32::NEG_INFINITY).then_some(x)
+                }
+            }
+        };
+        let mut scores = vec![f32::NEG_INFINITY; keys];
+        let mut max = f32::NEG_INFINITY;
+        for (j, s) in scores.iter_mut().enumerate() {
+            if let Some(bias) = visible(j) {
+                let base = j * self.row_stride + kvh * hd;
+                *s = dot(qr, &self.kd[base..base + hd]) * self.scale + bias;
+                max = max.max(*s);
+            }
+        }
+        let mut sum = 0.0f32;
+        for (j, s) in scores.iter().enumerate() {
+            if *s == f32::NEG_INFINITY {
+                continue;
+            }
+            let p = (s - max).exp();
+            sum += p;
+            let base = j * self.row_stride + kvh * hd;
+            for (oi, vi) in o.iter_mut().zip(&self.vd[base..base + hd]) {
+                *oi += p * vi;
+            }
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
 }
 
 /// Borrowed f32 data of a CPU tensor whose last two dims are contiguous, from its start offset.
@@ -77,42 +153,28 @@ pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale:
     let (kd, vd) = (cpu_f32(&kg, kl.start_offset())?, cpu_f32(&vg, vl.start_offset())?);
     let group = heads / kv_heads;
     let mut out = vec![0.0f32; rows * heads * hd];
+    let job = HeadRows {
+        qv: &qv,
+        kd,
+        vd,
+        vis,
+        scale,
+        keys,
+        heads,
+        hd,
+        group,
+        row_stride,
+    };
+    let wide = wide_vectors();
     out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
-        let (r, h) = (i / heads, i % heads);
-        let kvh = h / group;
-        let qr = &qv[(r * heads + h) * hd..(r * heads + h + 1) * hd];
-        let visible = |j: usize| -> Option<f32> {
-            match vis {
-                Visibility::Causal { offset } => (j <= offset + r).then_some(0.0),
-                Visibility::Additive(m) => {
-                    let x = m[r * keys + j];
-                    (x != f32::NEG_INFINITY).then_some(x)
-                }
-            }
-        };
-        let mut scores = vec![f32::NEG_INFINITY; keys];
-        let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
-            if let Some(bias) = visible(j) {
-                let base = j * row_stride + kvh * hd;
-                *s = dot(qr, &kd[base..base + hd]) * scale + bias;
-                max = max.max(*s);
-            }
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: `wide_vectors()` checked that this CPU has AVX2.
+            unsafe { job.run_avx2(i, o) };
+            return;
         }
-        let mut sum = 0.0f32;
-        for (j, s) in scores.iter().enumerate() {
-            if *s == f32::NEG_INFINITY {
-                continue;
-            }
-            let p = (s - max).exp();
-            sum += p;
-            let base = j * row_stride + kvh * hd;
-            for (oi, vi) in o.iter_mut().zip(&vd[base..base + hd]) {
-                *oi += p * vi;
-            }
-        }
-        let inv = 1.0 / sum;
-        o.iter_mut().for_each(|x| *x *= inv);
+        let _ = wide;
+        job.run(i, o);
     });
     Tensor::from_vec(out, (rows, heads * hd), q.device())
 }
