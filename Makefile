@@ -9,8 +9,8 @@ model:
 build:
 	$(CARGO) build --release
 
-demo: model build
-	./target/release/probespec "What is the capital of France?"
+demo: model
+	$(CARGO) run --release --quiet -- "What is the capital of France?"
 
 test: model
 	$(CARGO) test --release
