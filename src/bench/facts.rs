@@ -103,20 +103,11 @@ pub fn utc_now() -> String {
     utc_date(secs)
 }
 
-/// Seconds since the epoch as an RFC 3339 UTC timestamp (civil-from-days, H. Hinnant), to avoid a date
-/// dependency for one line of the summary.
+/// Seconds since the epoch as an RFC 3339 UTC timestamp, to avoid a date dependency for one line of the
+/// summary (the calendar arithmetic is the chat template's `strftime_now`'s).
 pub fn utc_date(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
     let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
+    let (year, month, day) = crate::tokenizer::chat::civil_from_days((secs / 86_400) as i64);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
         rem / 3600,

@@ -5,7 +5,7 @@
 //! `gguf.rs`) or from an HF checkpoint folder ([`TextTokenizer::from_hf_dir`]); both end up as a
 //! `tokenizers::Tokenizer` plus the special-token facts the model's conventions need.
 
-mod chat;
+pub(crate) mod chat;
 mod gguf;
 mod stream;
 
