@@ -33,6 +33,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Generate a reply to a prompt (the default command).
+    #[command(allow_negative_numbers = true)]
     Generate(GenerateArgs),
     /// Spec-Bench benchmark: `bench --questions FILE`, `bench report DIR`, `bench merge OUT DIR...`.
     Bench(crate::bench::BenchArgs),
