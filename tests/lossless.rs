@@ -100,39 +100,29 @@ fn check_all(
     (committed, calls)
 }
 
-#[test]
-fn esp_is_lossless_on_tiny_llama_every_configuration() {
-    let (_d, model) = common::load_tiny(&TinySpec::llama());
+/// Every ESP configuration against AR on 8 random prompts of a tiny model.
+fn esp_lossless_on(spec: TinySpec, seed: u64) {
+    let (_d, model) = common::load_tiny(&spec);
     let (c, n) = check_all(
         &model,
-        &prompts(8, 1..40, 11),
+        &prompts(8, 1..40, seed),
         &esp_configs(),
         &common::greedy(48, vec![]),
     );
     // The speculative path must actually be exercised, or the test proves nothing.
-    eprintln!("pooled ESP tau {:.3}", c as f64 / n as f64);
-    assert!(
-        c as f64 / n as f64 > 1.05,
-        "tau {} too low to exercise acceptance",
-        c as f64 / n as f64
-    );
+    let tau = c as f64 / n as f64;
+    eprintln!("pooled ESP tau {tau:.3}");
+    assert!(tau > 1.05, "tau {tau} too low to exercise acceptance");
+}
+
+#[test]
+fn esp_is_lossless_on_tiny_llama_every_configuration() {
+    esp_lossless_on(TinySpec::llama(), 11);
 }
 
 #[test]
 fn esp_is_lossless_on_tiny_qwen3_every_configuration() {
-    let (_d, model) = common::load_tiny(&TinySpec::qwen3());
-    let (c, n) = check_all(
-        &model,
-        &prompts(8, 1..40, 12),
-        &esp_configs(),
-        &common::greedy(48, vec![]),
-    );
-    eprintln!("pooled ESP tau {:.3}", c as f64 / n as f64);
-    assert!(
-        c as f64 / n as f64 > 1.05,
-        "tau {} too low to exercise acceptance",
-        c as f64 / n as f64
-    );
+    esp_lossless_on(TinySpec::qwen3(), 12);
 }
 
 #[test]

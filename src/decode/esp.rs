@@ -191,7 +191,8 @@ impl Drafter for Esp {
         Ok(c.masks)
     }
 
-    fn draft(&mut self, root: u32, _history: &[u32], max_rows: usize) -> Draft {
+    // Room is the loop's concern: a draft that does not fit is replaced there by the root alone.
+    fn draft(&mut self, root: u32, _history: &[u32], _max_rows: usize) -> Draft {
         self.root = root;
         let k = self.cfg.masks;
         let with_masks = |tree: TokenTree| {
@@ -200,11 +201,7 @@ impl Drafter for Esp {
         };
         if self.dists.is_empty() {
             // No candidates (first step after the context edge): probe from the root to get some back.
-            return if k < max_rows {
-                with_masks(TokenTree::new(root))
-            } else {
-                Draft::root_only(root)
-            };
+            return with_masks(TokenTree::new(root));
         }
         let tree = match &self.cfg.tree {
             TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
@@ -218,11 +215,7 @@ impl Drafter for Esp {
                 }
             }
         };
-        if tree.len() * (self.cfg.masks + 1) > max_rows {
-            return Draft::root_only(root);
-        }
-        let probes = esp_probes(tree.len(), self.cfg.masks);
-        Draft { tree, probes }
+        with_masks(tree)
     }
 
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
