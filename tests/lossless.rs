@@ -246,3 +246,75 @@ fn sampling_keeps_the_model_distribution() {
         );
     }
 }
+
+/// A GGUF in llama.cpp's block formats (Q8_0 embeddings, Q4_0 attention, Q4_1 MLP) runs through the CPU
+/// block kernel. Its logits are bit-identical to those of the same weights dequantised and stored as
+/// f32 (run by the dense kernel), and ESP on it is lossless.
+#[test]
+fn block_quantized_gguf_equals_its_dequantized_weights_and_is_lossless() {
+    use candle_core::quantized::GgmlDType;
+    use probespec::model::load::{load_model, LoadOptions, ModelSource};
+    use probespec::model::BlockMask;
+    let format = |name: &str| {
+        if name.starts_with("token_embd") || name.starts_with("output.") {
+            GgmlDType::Q8_0
+        } else if name.contains("attn") {
+            GgmlDType::Q4_0
+        } else {
+            GgmlDType::Q4_1
+        }
+    };
+    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
+        let dir = common::tempdir();
+        let (qp, fp) = (dir.path().join("q.gguf"), dir.path().join("f32.gguf"));
+        spec.write_gguf_as(&qp, format);
+        spec.write_gguf_dequantized(&fp, format);
+        let load = |p: &std::path::Path| {
+            let opts = LoadOptions {
+                device: candle_core::Device::Cpu,
+                dtype: candle_core::DType::F32,
+            };
+            load_model(&ModelSource::Gguf(p.to_path_buf()), &opts)
+                .unwrap()
+                .model
+        };
+        let (q, f) = (load(&qp), load(&fp));
+        assert!(
+            std::fs::metadata(&qp).unwrap().len() * 3 < std::fs::metadata(&fp).unwrap().len(),
+            "the quantised file should be several times smaller"
+        );
+        let prompt: Vec<u32> = (0..37).map(|i| (i * 53 + 11) % 250 + 4).collect();
+        let positions: Vec<u32> = (0..prompt.len() as u32).collect();
+        let logits = |m: &Transformer| {
+            let mut cache = m.new_cache(64).unwrap();
+            let h = m
+                .forward(
+                    &m.embed(&prompt).unwrap(),
+                    &positions,
+                    &BlockMask::Causal,
+                    &mut cache,
+                )
+                .unwrap();
+            let rows: Vec<usize> = (0..prompt.len()).collect();
+            m.logits(&h, &rows)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let (lq, lf) = (logits(&q), logits(&f));
+        assert!(
+            lq.iter().zip(&lf).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{:?}: block-kernel logits differ from the dequantised model's",
+            spec.arch
+        );
+        let configs = [
+            method(MethodArg::Esp, 10, 1, TreeArg::Dynamic, None),
+            method(MethodArg::Esp, 30, 2, TreeArg::Static, None),
+            method(MethodArg::Hybrid, 30, 1, TreeArg::Dynamic, None),
+            method(MethodArg::Pld, 30, 1, TreeArg::Dynamic, None),
+        ];
+        check_all(&q, &prompts(6, 1..40, 15), &configs, &common::greedy(40, vec![]));
+    }
+}

@@ -87,7 +87,7 @@ pub fn matmul_xwt(x: &[f32], w: &[f32], y: &mut [f32], m: usize, k: usize, n: us
 }
 
 /// One parallel task's work: `out` ([rows, cols] row-major) = `x` ([rows, k]) · `w` ([cols, k])ᵀ.
-type BlockFn = fn(x: &[f32], w: &[f32], out: &mut [f32], rows: usize, k: usize, cols: usize);
+pub(super) type BlockFn = fn(x: &[f32], w: &[f32], out: &mut [f32], rows: usize, k: usize, cols: usize);
 
 /// [`matmul_xwt`] on an explicit path (tests run both).
 ///
@@ -199,12 +199,19 @@ macro_rules! block_driver {
 }
 
 /// The portable path: plain Rust that LLVM vectorises; multiply and add are separate roundings.
-mod portable {
+pub(super) mod portable {
     use super::LANES;
 
     /// Tile shapes (rows, cols): `R·C` accumulators of 8 lanes must fit the 16 SSE registers of
     /// baseline x86_64 (two per accumulator) with room for the loaded chunks.
-    pub(super) fn block(x: &[f32], w: &[f32], out: &mut [f32], rows: usize, k: usize, cols: usize) {
+    pub(in crate::kernels) fn block(
+        x: &[f32],
+        w: &[f32],
+        out: &mut [f32],
+        rows: usize,
+        k: usize,
+        cols: usize,
+    ) {
         block_driver!(x, w, out, rows, k, cols, tile, [(1, 4), (2, 2), (3, 1), (4, 1)]);
     }
 
@@ -250,7 +257,7 @@ mod portable {
     /// Not inlined: seeing this lane pairing, LLVM's SLP vectoriser otherwise splits the accumulators
     /// of the whole tile into 2-lane vectors, which is several times slower.
     #[inline(never)]
-    fn hsum8(a: &[f32; LANES]) -> f32 {
+    pub(in crate::kernels) fn hsum8(a: &[f32; LANES]) -> f32 {
         let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
         (s[0] + s[2]) + (s[1] + s[3])
     }
@@ -280,14 +287,21 @@ mod portable {
 
 /// The AVX2 + FMA path.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     use std::arch::x86_64::*;
 
     /// Minimum software-prefetch distance along the weights, in floats (64 KiB).
     const PREFETCH_FLOATS: usize = 1 << 14;
 
     /// Safe entry point for [`super::BlockFn`].
-    pub(super) fn block(x: &[f32], w: &[f32], out: &mut [f32], rows: usize, k: usize, cols: usize) {
+    pub(in crate::kernels) fn block(
+        x: &[f32],
+        w: &[f32],
+        out: &mut [f32],
+        rows: usize,
+        k: usize,
+        cols: usize,
+    ) {
         // SAFETY: this function is only selected by `matmul_with` after `avx2_fma_available()`
         // returned true, so the CPU supports the features `block_impl` is compiled for.
         unsafe { block_impl(x, w, out, rows, k, cols) }
@@ -379,7 +393,7 @@ mod avx2 {
     /// Sums the 8 lanes in the fixed tree `((a0+a4) + (a2+a6)) + ((a1+a5) + (a3+a7))`.
     #[target_feature(enable = "avx2,fma")]
     #[inline]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(in crate::kernels) unsafe fn hsum(v: __m256) -> f32 {
         // [a0+a4, a1+a5, a2+a6, a3+a7]
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         // [(a0+a4)+(a2+a6), (a1+a5)+(a3+a7), ..]

@@ -14,6 +14,8 @@
 
 pub mod attention;
 pub mod matmul;
+pub mod qmatmul;
 
 pub use attention::{attention_f32, Visibility};
 pub use matmul::{linear_f32, matmul_xwt};
+pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};

@@ -4,8 +4,13 @@ use anyhow::Result;
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Module, Tensor};
 
+use crate::kernels::BlockMatrix;
+
 pub enum Weight {
     Dense(Tensor),
+    /// GGUF Q4_0 / Q4_1 / Q8_0 blocks on the CPU, multiplied by the row-invariant block kernel.
+    Blocks(BlockMatrix),
+    /// Other quantised formats, or any on a GPU: candle's quantised matmul.
     Quantized(QMatMul),
 }
 
@@ -40,6 +45,10 @@ impl Linear {
                 crate::kernels::linear_f32(&x.contiguous()?, w)?
             }
             Weight::Dense(w) => x.matmul(&w.t()?)?,
+            Weight::Blocks(b) => {
+                let dt = x.dtype();
+                crate::kernels::linear_blocks(&x.to_dtype(DType::F32)?.contiguous()?, b)?.to_dtype(dt)?
+            }
             Weight::Quantized(q) => {
                 // Quantised kernels take f32 activations.
                 let dt = x.dtype();

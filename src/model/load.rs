@@ -2,6 +2,7 @@
 //! and its tokenizer from safetensors or GGUF weights.
 
 use super::{Arch, Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
+use crate::kernels::{BlockFormat, BlockMatrix};
 use crate::tokenizer::TextTokenizer;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
@@ -285,15 +286,28 @@ fn build_from_safetensors(config: ModelConfig, vb: &VarBuilder) -> Result<Transf
 /// Models up to this many parameters are dequantised to dense weights on the CPU (about 4 GiB in f32).
 const DENSE_CPU_MAX_PARAMS: usize = 1 << 30;
 
-/// Which GGUF tensors stay quantised. On the CPU a small model runs dense: the row-invariant dense kernel
-/// reads each weight once for a whole block (quantised kernels re-read the weights per row, so a block
-/// costs rows x one token), and candle's CPU Q4_1 kernel is its scalar fallback (PERFORMANCE.md).
-fn keep_quantized(t: GgmlDType, device: &Device, params: usize) -> bool {
+/// How a GGUF matrix is multiplied.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum GgufMatrix {
+    /// Dequantised once at load (float formats; small models in formats without a block kernel).
+    Dense,
+    /// Kept in its blocks for the row-invariant CPU block kernel (Q4_0, Q4_1, Q8_0 on the CPU): the
+    /// same numbers as `Dense`, 4-7x fewer bytes read per token.
+    Blocks(BlockFormat),
+    /// candle's quantised matmul: every format on a GPU, large models in other formats on the CPU.
+    /// (On the CPU it quantises activations to 8 bits, computing each row alone.)
+    Candle,
+}
+
+fn gguf_matrix(t: GgmlDType, device: &Device, params: usize) -> GgufMatrix {
     match t {
-        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => false,
-        _ if device.is_cpu() && params <= DENSE_CPU_MAX_PARAMS => false,
-        GgmlDType::Q4_1 => !device.is_cpu(),
-        _ => true,
+        GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => GgufMatrix::Dense,
+        _ if !device.is_cpu() => GgufMatrix::Candle,
+        _ => match BlockFormat::of_ggml(t) {
+            Some(f) => GgufMatrix::Blocks(f),
+            None if params <= DENSE_CPU_MAX_PARAMS => GgufMatrix::Dense,
+            None => GgufMatrix::Candle,
+        },
     }
 }
 
@@ -331,7 +345,6 @@ fn build_from_gguf(
 ) -> Result<Transformer> {
     let dev = &opts.device;
     let params: usize = ct.tensor_infos.values().map(|i| i.shape.elem_count()).sum();
-    let keep_quantized = |t: GgmlDType, d: &Device| keep_quantized(t, d, params);
     let mut read = |name: &str| -> Result<QTensor> {
         ct.tensor(file, name, dev)
             .map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
@@ -342,25 +355,41 @@ fn build_from_gguf(
     let config = ModelConfig::from_gguf(&ct.metadata, vocab, tied)?;
     let c = &config;
     let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
-    let linear = |q: QTensor| -> Result<Linear> {
-        Ok(if keep_quantized(q.dtype(), dev) {
-            Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None)
-        } else {
-            Linear::new(Weight::Dense(dense(&q)?), None)
+    // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head (`rope_rows`);
+    // reorder them so one RoPE convention serves every format: dense and block weights get their rows
+    // reordered, candle-quantised ones their outputs.
+    let linear_rows = |q: QTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
+        Ok(match gguf_matrix(q.dtype(), dev, params) {
+            GgufMatrix::Dense => {
+                let w = dense(&q)?;
+                let w = match rows {
+                    Some(r) => w.index_select(&Tensor::new(r.as_slice(), dev)?, 0)?,
+                    None => w,
+                };
+                Linear::new(Weight::Dense(w), None)
+            }
+            GgufMatrix::Blocks(f) => {
+                let (n, k) = q.shape().dims2()?;
+                let b = BlockMatrix::new(f, n, k, q.data()?.into_owned())?;
+                let b = match rows {
+                    Some(r) => b.select_rows(&r),
+                    None => b,
+                };
+                Linear::new(Weight::Blocks(b), None)
+            }
+            GgufMatrix::Candle => {
+                let l = Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None);
+                match rows {
+                    Some(r) => l.with_out_perm(Tensor::new(r.as_slice(), dev)?),
+                    None => l,
+                }
+            }
         })
     };
-    // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head; undo it so one RoPE
-    // convention serves every format. Dense weights get their rows reordered, quantised ones their outputs.
+    let linear = |q: QTensor| linear_rows(q, None);
     let rope_linear = |q: QTensor, heads: usize| -> Result<Linear> {
-        if c.arch != Arch::Llama {
-            return linear(q);
-        }
-        let perm = Tensor::new(unpermute_index(heads, c.head_dim).as_slice(), dev)?;
-        Ok(if keep_quantized(q.dtype(), dev) {
-            Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None).with_out_perm(perm)
-        } else {
-            Linear::new(Weight::Dense(dense(&q)?.index_select(&perm, 0)?), None)
-        })
+        let rows = (c.arch == Arch::Llama).then(|| unpermute_index(heads, c.head_dim));
+        linear_rows(q, rows)
     };
     let norm = |q: QTensor| -> Result<RmsNorm> { Ok(RmsNorm::new(dense(&q)?, c.rms_norm_eps)) };
     let embed = dense(&embed_q)?;

@@ -222,6 +222,30 @@ impl TinySpec {
     /// Writes the same weights as an f32 GGUF the way llama.cpp's converter does (LLaMA q/k rows
     /// interleaved per head), with a byte-level BPE tokenizer in the metadata.
     pub fn write_gguf(&self, path: &Path) {
+        self.write_gguf_as(path, |_| candle_core::quantized::GgmlDType::F32)
+    }
+
+    /// [`Self::write_gguf`] with each matrix stored in the format `format(name)` picks (norms stay f32).
+    pub fn write_gguf_as(&self, path: &Path, format: impl Fn(&str) -> candle_core::quantized::GgmlDType) {
+        self.write_gguf_impl(path, format, false)
+    }
+
+    /// The weights of [`Self::write_gguf_as`] (rounded by each matrix's format), dequantised and stored
+    /// as f32.
+    pub fn write_gguf_dequantized(
+        &self,
+        path: &Path,
+        format: impl Fn(&str) -> candle_core::quantized::GgmlDType,
+    ) {
+        self.write_gguf_impl(path, format, true)
+    }
+
+    fn write_gguf_impl(
+        &self,
+        path: &Path,
+        format: impl Fn(&str) -> candle_core::quantized::GgmlDType,
+        dequantized: bool,
+    ) {
         let arch = match self.arch {
             TinyArch::Llama => "llama",
             TinyArch::Qwen3 => "qwen3",
@@ -229,10 +253,17 @@ impl TinySpec {
         let w = self.weights();
         let mut tensors: Vec<(String, QTensor)> = Vec::new();
         let mut add = |name: String, t: &Tensor| {
-            tensors.push((
-                name,
-                QTensor::quantize(t, candle_core::quantized::GgmlDType::F32).unwrap(),
-            ))
+            let f = if t.rank() == 2 {
+                format(&name)
+            } else {
+                candle_core::quantized::GgmlDType::F32
+            };
+            let mut q = QTensor::quantize(t, f).unwrap();
+            if dequantized {
+                let d = q.dequantize(&Device::Cpu).unwrap();
+                q = QTensor::quantize(&d, candle_core::quantized::GgmlDType::F32).unwrap();
+            }
+            tensors.push((name, q))
         };
         let permute = |t: &Tensor, heads: usize| -> Tensor {
             if self.arch != TinyArch::Llama {
@@ -397,12 +428,24 @@ pub fn tempdir() -> tempfile::TempDir {
     tempfile::tempdir().unwrap()
 }
 
-/// Loads a tiny checkpoint written to a fresh temporary folder (kept alive by the returned guard).
+/// The device the tiny-model tests run on: the CPU, or the one `PROBESPEC_TEST_DEVICE` names (`cuda`,
+/// `metal`; used by scripts/gpu-check.sh on a GPU machine). The name is checked, never ignored.
+pub fn test_device() -> Device {
+    match std::env::var("PROBESPEC_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0).expect("PROBESPEC_TEST_DEVICE=cuda but no CUDA device"),
+        Ok("metal") => Device::new_metal(0).expect("PROBESPEC_TEST_DEVICE=metal but no Metal device"),
+        Ok(other) => panic!("PROBESPEC_TEST_DEVICE={other}: expected cpu, cuda or metal"),
+    }
+}
+
+/// Loads a tiny checkpoint written to a fresh temporary folder (kept alive by the returned guard), in
+/// f32 on [`test_device`].
 pub fn load_tiny(spec: &TinySpec) -> (tempfile::TempDir, probespec::model::Transformer) {
     let dir = tempdir();
     spec.write_hf(dir.path());
     let opts = probespec::model::load::LoadOptions {
-        device: Device::Cpu,
+        device: test_device(),
         dtype: candle_core::DType::F32,
     };
     let source = probespec::model::load::ModelSource::HfDir(dir.path().to_path_buf());
