@@ -37,6 +37,8 @@ enum Command {
     Generate(GenerateArgs),
     /// Spec-Bench benchmark: `bench --questions FILE`, `bench report DIR`, `bench merge OUT DIR...`.
     Bench(crate::bench::BenchArgs),
+    /// Forward cost curve: one block of R rows after C cached tokens, for a model or a named shape.
+    Cost(crate::bench::cost::CostArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -198,6 +200,7 @@ pub fn main() -> i32 {
     let result = match cli.command {
         Some(Command::Generate(args)) => run_generate(&args),
         Some(Command::Bench(args)) => crate::bench::run(&args),
+        Some(Command::Cost(args)) => crate::bench::cost::run(&args),
         None => run_generate(&cli.generate),
     };
     match result {
@@ -227,15 +230,20 @@ pub fn select_device(d: DeviceArg) -> Result<Device> {
     }
 }
 
-pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
-    let device = select_device(args.device)?;
-    let dtype = match args.dtype {
+/// The dtype asked for, or the device's default: f32 on the CPU, bf16 on a GPU.
+pub fn select_dtype(d: Option<DTypeArg>, device: &Device) -> DType {
+    match d {
         Some(DTypeArg::F32) => DType::F32,
         Some(DTypeArg::F16) => DType::F16,
         Some(DTypeArg::Bf16) => DType::BF16,
         None if device.is_cpu() => DType::F32,
         None => DType::BF16,
-    };
+    }
+}
+
+pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
+    let device = select_device(args.device)?;
+    let dtype = select_dtype(args.dtype, &device);
     let source = ModelSource::resolve(args.model.as_deref())?;
     load_model(&source, &LoadOptions { device, dtype })
 }

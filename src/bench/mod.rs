@@ -7,11 +7,14 @@
 //! - `probespec bench report DIR` re-renders those three from the records;
 //! - `probespec bench merge OUT DIR...` joins the record sets of shards (`--shard I/N`) into OUT.
 //!
+//! `probespec cost` (module [`cost`]) times the forward pass against block size.
+//!
 //! Layout: [`questions`] (file, groups, selection), [`runner`] (configurations, decoding, progress),
 //! [`records`] (record file, run.json), [`report`] (metrics, table, summary), [`chart`] (SVG),
 //! [`facts`] (machine and build facts).
 
 pub mod chart;
+pub mod cost;
 pub mod facts;
 pub mod questions;
 pub mod records;
