@@ -71,13 +71,20 @@ impl HeadRows<'_> {
         self.run(i, o)
     }
 
-    /// Output `o` (head_dim values) of query row `i / heads`, head `i % heads`.
+    /// Outputs `o` (`group · head_dim` values) of the `group` query heads that share key/value head
+    /// `i % kv_heads`, for query row `i / kv_heads`.
+    ///
+    /// The heads of a group are interleaved key by key, so each key and value row is read from memory
+    /// once for the whole group; each head still runs its own fixed sequence (scores in key order, their
+    /// maximum, exponentials and weighted values summed in key order), so a head's result does not
+    /// depend on the grouping.
     #[inline(always)]
     fn run(&self, i: usize, o: &mut [f32]) {
-        let (hd, keys) = (self.hd, self.keys);
-        let (r, h) = (i / self.heads, i % self.heads);
-        let kvh = h / self.group;
-        let qr = &self.qv[(r * self.heads + h) * hd..(r * self.heads + h + 1) * hd];
+        let (hd, keys, group) = (self.hd, self.keys, self.group);
+        let kv_heads = self.heads / group;
+        let (r, kvh) = (i / kv_heads, i % kv_heads);
+        let q0 = (r * self.heads + kvh * group) * hd;
+        let qs = &self.qv[q0..q0 + group * hd];
         let visible = |j: usize| -> Option<f32> {
             match self.vis {
                 Visibility::Causal { offset } => (j <= offset + r).then_some(0.0),
@@ -87,29 +94,47 @@ impl HeadRows<'_> {
                 }
             }
         };
-        let mut scores = vec![f32::NEG_INFINITY; keys];
-        let mut max = f32::NEG_INFINITY;
-        for (j, s) in scores.iter_mut().enumerate() {
+        // scores[g * keys + j]
+        let mut scores = vec![f32::NEG_INFINITY; group * keys];
+        let mut max = vec![f32::NEG_INFINITY; group];
+        for j in 0..keys {
             if let Some(bias) = visible(j) {
                 let base = j * self.row_stride + kvh * hd;
-                *s = dot(qr, &self.kd[base..base + hd]) * self.scale + bias;
-                max = max.max(*s);
+                let kr = &self.kd[base..base + hd];
+                for g in 0..group {
+                    let s = dot(&qs[g * hd..(g + 1) * hd], kr) * self.scale + bias;
+                    scores[g * keys + j] = s;
+                    max[g] = max[g].max(s);
+                }
             }
         }
-        let mut sum = 0.0f32;
-        for (j, s) in scores.iter().enumerate() {
-            if *s == f32::NEG_INFINITY {
-                continue;
+        let mut sum = vec![0.0f32; group];
+        for j in 0..keys {
+            if scores[j] == f32::NEG_INFINITY {
+                // Masked for the whole group (the mask is per row), or a score of -inf for head 0
+                // only: the per-head check below decides.
+                if (1..group).all(|g| scores[g * keys + j] == f32::NEG_INFINITY) {
+                    continue;
+                }
             }
-            let p = (s - max).exp();
-            sum += p;
             let base = j * self.row_stride + kvh * hd;
-            for (oi, vi) in o.iter_mut().zip(&self.vd[base..base + hd]) {
-                *oi += p * vi;
+            let vr = &self.vd[base..base + hd];
+            for g in 0..group {
+                let s = scores[g * keys + j];
+                if s == f32::NEG_INFINITY {
+                    continue;
+                }
+                let p = (s - max[g]).exp();
+                sum[g] += p;
+                for (oi, vi) in o[g * hd..(g + 1) * hd].iter_mut().zip(vr) {
+                    *oi += p * vi;
+                }
             }
         }
-        let inv = 1.0 / sum;
-        o.iter_mut().for_each(|x| *x *= inv);
+        for g in 0..group {
+            let inv = 1.0 / sum[g];
+            o[g * hd..(g + 1) * hd].iter_mut().for_each(|x| *x *= inv);
+        }
     }
 }
 
@@ -166,7 +191,7 @@ pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale:
         row_stride,
     };
     let wide = wide_vectors();
-    out.par_chunks_mut(hd).enumerate().for_each(|(i, o)| {
+    out.par_chunks_mut(group * hd).enumerate().for_each(|(i, o)| {
         #[cfg(target_arch = "x86_64")]
         if wide {
             // SAFETY: `wide_vectors()` checked that this CPU has AVX2.
