@@ -35,6 +35,7 @@ pub const BLOCK: usize = 32;
 const PAR_MIN_WORK: usize = 1 << 18;
 
 /// Rows of `x` per panel: a panel's rows are multiplied with one tile of weights while it sits in L1.
+#[cfg(target_arch = "x86_64")]
 const PANEL_ROWS: usize = 32;
 
 /// A GGUF block format this kernel reads.
@@ -70,6 +71,7 @@ impl BlockFormat {
     }
 
     /// Const-generic tag of the format (for monomorphised kernels).
+    #[cfg(target_arch = "x86_64")]
     const fn tag(self) -> u8 {
         match self {
             BlockFormat::Q4_0 => 0,
