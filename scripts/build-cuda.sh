@@ -3,6 +3,10 @@
 # sm_90a PTX for H100/H200), as ../shared/docs/CUDA.md describes. Checked on 2026-11-29: builds in about
 # 11 minutes on 2 cores into target-cuda/release/probespec (66 MB unstripped). At run time the binary needs
 # the driver's libcuda.so.1 and libcublas/libcublasLt/libcudart .so.13, libcurand .so.10 (LD_LIBRARY_PATH).
+#
+#   scripts/build-cuda.sh            the binary only
+#   scripts/build-cuda.sh --bundle   also the CUDA build of the lossless tests, both stripped and packed
+#                                    into .device/bundle.tar.xz for scripts/gpu-check.sh on a GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
 toolkit=${CUDA_WHEELS_SCRIPT:-../shared/tools/cuda-toolkit-from-wheels.sh}
@@ -10,4 +14,23 @@ toolkit=${CUDA_WHEELS_SCRIPT:-../shared/tools/cuda-toolkit-from-wheels.sh}
 cargo fetch
 exports=$("$toolkit" | tail -1)
 eval "$exports"
-CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda} cargo build --release --features cuda
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
+cargo build --release --features cuda
+[ "${1:-}" = "--bundle" ] || exit 0
+
+# The lossless test binary (tiny models written by the test itself; the device comes from
+# PROBESPEC_TEST_DEVICE), located through cargo's JSON messages.
+test_bin=$(cargo test --release --features cuda --test lossless --no-run --message-format=json 2>/dev/null |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "lossless":
+        print(m["executable"])')
+[ -x "$test_bin" ] || { echo "lossless test binary not found" >&2; exit 1; }
+stage=$(mktemp -d)
+strip -o "$stage/probespec" "$CARGO_TARGET_DIR/release/probespec"
+strip -o "$stage/lossless" "$test_bin"
+mkdir -p .device
+tar -C "$stage" -cJf .device/bundle.tar.xz probespec lossless
+rm -r "$stage"
+ls -l .device/bundle.tar.xz
