@@ -1,8 +1,9 @@
-//! Decoding speed on the default model (SmolLM2-135M-Instruct GGUF, dense f32 on the CPU):
+//! Decoding speed on the default model (SmolLM2-135M-Instruct GGUF, Q4_1/Q8_0 blocks on the CPU):
 //! - `plain_decode`: 32 greedy tokens, plain autoregressive decoding (tokens/s = 32 / time);
 //! - `esp_decode`: the same prompt under ESP at BC 10 and with `--bc auto`;
 //! - `forward_cost`: one forward pass of 1..64 rows after a KV cache of 256 and 1024 tokens, plus the
-//!   logits of one row: cost(S) / cost(1) is the number that decides whether speculation pays.
+//!   logits of one row: cost(S) / cost(1) is the number that decides whether speculation pays; for the
+//!   GGUF's blocks (`forward_cost`) and for the same weights dequantised to f32 (`forward_cost_f32_weights`).
 //!
 //! Run with `cargo bench --bench decode`; needs `make model`.
 
@@ -15,7 +16,7 @@ use probespec::model::load::{default_model_path, load_model, LoadOptions, ModelS
 use probespec::model::BlockMask;
 use std::time::Duration;
 
-fn model() -> probespec::model::LoadedModel {
+fn model(dequantize: bool) -> probespec::model::LoadedModel {
     let p = default_model_path();
     assert!(
         p.is_file(),
@@ -27,13 +28,14 @@ fn model() -> probespec::model::LoadedModel {
         &LoadOptions {
             device: Device::Cpu,
             dtype: DType::F32,
+            dequantize,
         },
     )
     .unwrap()
 }
 
 fn decoding(c: &mut Criterion) {
-    let m = model();
+    let m = model(false);
     let prompt = encode_prompt(
         &m.tokenizer,
         "Write a short story about a lighthouse keeper.",
@@ -68,9 +70,15 @@ fn decoding(c: &mut Criterion) {
 }
 
 fn forward_cost(c: &mut Criterion) {
-    let m = model();
+    // The GGUF in its Q4_1/Q8_0 blocks (block kernel), and dequantised to f32 weights (dense kernel).
+    for (group, dequantize) in [("forward_cost", false), ("forward_cost_f32_weights", true)] {
+        forward_cost_of(c, group, &model(dequantize));
+    }
+}
+
+fn forward_cost_of(c: &mut Criterion, group: &str, m: &probespec::model::LoadedModel) {
     let model = &m.model;
-    let mut g = c.benchmark_group("forward_cost");
+    let mut g = c.benchmark_group(group);
     g.sample_size(10)
         .measurement_time(Duration::from_secs(4))
         .warm_up_time(Duration::from_secs(1));

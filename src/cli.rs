@@ -51,6 +51,10 @@ pub struct ModelArgs {
     /// Weight and activation dtype (default: f32 on CPU, bf16 on GPU).
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
+    /// Dequantise GGUF Q4_0/Q4_1/Q8_0 weights at load instead of reading their blocks on the CPU (same
+    /// output, more memory and memory traffic; for comparisons).
+    #[arg(long)]
+    pub dequantize: bool,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -245,7 +249,14 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
     let device = select_device(args.device)?;
     let dtype = select_dtype(args.dtype, &device);
     let source = ModelSource::resolve(args.model.as_deref())?;
-    load_model(&source, &LoadOptions { device, dtype })
+    load_model(
+        &source,
+        &LoadOptions {
+            device,
+            dtype,
+            dequantize: args.dequantize,
+        },
+    )
 }
 
 /// Builds the drafter a method's flags describe.

@@ -249,7 +249,8 @@ fn sampling_keeps_the_model_distribution() {
 
 /// A GGUF in llama.cpp's block formats (Q8_0 embeddings, Q4_0 attention, Q4_1 MLP) runs through the CPU
 /// block kernel. Its logits are bit-identical to those of the same weights dequantised and stored as
-/// f32 (run by the dense kernel), and ESP on it is lossless.
+/// f32 and to those of the file loaded with `dequantize` (both run by the dense kernel), and ESP on it
+/// is lossless.
 #[test]
 fn block_quantized_gguf_equals_its_dequantized_weights_and_is_lossless() {
     use candle_core::quantized::GgmlDType;
@@ -269,16 +270,17 @@ fn block_quantized_gguf_equals_its_dequantized_weights_and_is_lossless() {
         let (qp, fp) = (dir.path().join("q.gguf"), dir.path().join("f32.gguf"));
         spec.write_gguf_as(&qp, format);
         spec.write_gguf_dequantized(&fp, format);
-        let load = |p: &std::path::Path| {
+        let load = |p: &std::path::Path, dequantize: bool| {
             let opts = LoadOptions {
                 device: candle_core::Device::Cpu,
                 dtype: candle_core::DType::F32,
+                dequantize,
             };
             load_model(&ModelSource::Gguf(p.to_path_buf()), &opts)
                 .unwrap()
                 .model
         };
-        let (q, f) = (load(&qp), load(&fp));
+        let (q, f, qd) = (load(&qp, false), load(&fp, false), load(&qp, true));
         assert!(
             std::fs::metadata(&qp).unwrap().len() * 3 < std::fs::metadata(&fp).unwrap().len(),
             "the quantised file should be several times smaller"
@@ -303,12 +305,14 @@ fn block_quantized_gguf_equals_its_dequantized_weights_and_is_lossless() {
                 .to_vec1::<f32>()
                 .unwrap()
         };
-        let (lq, lf) = (logits(&q), logits(&f));
-        assert!(
-            lq.iter().zip(&lf).all(|(a, b)| a.to_bits() == b.to_bits()),
-            "{:?}: block-kernel logits differ from the dequantised model's",
-            spec.arch
-        );
+        let (lq, lf, lqd) = (logits(&q), logits(&f), logits(&qd));
+        for (other, what) in [(&lf, "the f32 copy's"), (&lqd, "--dequantize's")] {
+            assert!(
+                lq.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{:?}: block-kernel logits differ from {what}",
+                spec.arch
+            );
+        }
         let configs = [
             method(MethodArg::Esp, 10, 1, TreeArg::Dynamic, None),
             method(MethodArg::Esp, 30, 2, TreeArg::Static, None),

@@ -14,6 +14,7 @@ fn cpu_f32() -> LoadOptions {
     LoadOptions {
         device: Device::Cpu,
         dtype: DType::F32,
+        dequantize: false,
     }
 }
 

@@ -16,6 +16,7 @@ fn smollm2() -> LoadedModel {
         &LoadOptions {
             device: Device::Cpu,
             dtype: DType::F32,
+            dequantize: false,
         },
     )
     .unwrap()

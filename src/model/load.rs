@@ -83,6 +83,10 @@ impl ModelSource {
 pub struct LoadOptions {
     pub device: Device,
     pub dtype: DType,
+    /// Dequantise GGUF weights to dense `dtype` at load even where the CPU block kernel could read them
+    /// in place: the same numbers (the block kernel is bit-identical to the dense one), 4-7x the memory
+    /// traffic per token. For comparisons.
+    pub dequantize: bool,
 }
 
 pub struct LoadedModel {
@@ -299,9 +303,10 @@ enum GgufMatrix {
     Candle,
 }
 
-fn gguf_matrix(t: GgmlDType, device: &Device, params: usize) -> GgufMatrix {
+fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, dequantize: bool) -> GgufMatrix {
     match t {
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => GgufMatrix::Dense,
+        _ if dequantize => GgufMatrix::Dense,
         _ if !device.is_cpu() => GgufMatrix::Candle,
         _ => match BlockFormat::of_ggml(t) {
             Some(f) => GgufMatrix::Blocks(f),
@@ -359,7 +364,7 @@ fn build_from_gguf(
     // reorder them so one RoPE convention serves every format: dense and block weights get their rows
     // reordered, candle-quantised ones their outputs.
     let linear_rows = |q: QTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
-        Ok(match gguf_matrix(q.dtype(), dev, params) {
+        Ok(match gguf_matrix(q.dtype(), dev, params, opts.dequantize) {
             GgufMatrix::Dense => {
                 let w = dense(&q)?;
                 let w = match rows {
