@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` runs the main job on the default model, `make test` the tests.
 CARGO ?= cargo
 
-.PHONY: model build demo test lint bench
+.PHONY: model build demo test lint bench check-metal
 
 model:
 	./scripts/fetch-model.sh
@@ -21,3 +21,6 @@ lint:
 
 bench: model
 	$(CARGO) bench
+
+check-metal:
+	./scripts/check-metal.sh

@@ -2,6 +2,10 @@
 """Plain-decoding speed of probespec against llama.cpp on the same GGUF, same thread count, one process run,
 interleaved (llama.cpp, probespec, llama.cpp, ...), medians reported. llama.cpp comes from the PyPI package
 llama-cpp-python (a benchmark-only peer, not a dependency of the crate): pip install llama-cpp-python.
+On CPUs that list AMX in a sandbox that does not enable it, a native build dies with an illegal instruction;
+build without AMX instead (how docs/BENCHMARKS.md's figures were made):
+  CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON
+  -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install llama-cpp-python
 
 Usage: scripts/compare-llamacpp.py [--model PATH] [--threads 2] [--tokens 128] [--rounds 5]
 """
