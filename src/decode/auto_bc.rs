@@ -179,7 +179,7 @@ impl AutoBudget {
     /// Whether a plain-decoding step should still run the root's masks to keep observing acceptance.
     pub fn explore(&mut self) -> bool {
         self.plain_steps += 1;
-        self.plain_steps % EXPLORE_EVERY == 0
+        self.plain_steps.is_multiple_of(EXPLORE_EVERY)
     }
 }
 
@@ -187,7 +187,7 @@ impl AutoBudget {
 mod tests {
     use super::*;
 
-    fn curve(seconds: [f64; 6]) -> Arc<CostCurve> {
+    fn curve(seconds: [f64; 5]) -> Arc<CostCurve> {
         Arc::new(CostCurve {
             rows: TIMED_ROWS.to_vec(),
             seconds: seconds.to_vec(),
@@ -197,7 +197,7 @@ mod tests {
 
     #[test]
     fn interpolates_the_cost_curve() {
-        let c = curve([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]);
+        let c = curve([1.0, 2.0, 4.0, 8.0, 16.0]);
         assert_eq!(c.cost(1), 1.0);
         assert_eq!(c.cost(3), 3.0);
         assert_eq!(c.cost(12), 12.0);
@@ -206,15 +206,15 @@ mod tests {
 
     #[test]
     fn flat_cost_picks_a_large_tree() {
-        // A GPU-like curve: 64 rows cost barely more than one.
-        let a = AutoBudget::new(curve([1.0, 1.0, 1.0, 1.01, 1.02, 1.05]), 1);
+        // A GPU-like curve: 16 rows cost barely more than one.
+        let a = AutoBudget::new(curve([1.0, 1.0, 1.0, 1.01, 1.02]), 1);
         assert!(a.choose() >= Some(14), "{:?}", a.choose());
     }
 
     #[test]
     fn linear_cost_falls_back_to_plain_decoding() {
         // Every row costs as much as the first: no tree can pay for itself.
-        let a = AutoBudget::new(curve([1.0, 2.0, 4.0, 8.0, 16.0, 32.0]), 1);
+        let a = AutoBudget::new(curve([1.0, 2.0, 4.0, 8.0, 16.0]), 1);
         assert_eq!(a.choose(), None);
     }
 
@@ -222,7 +222,7 @@ mod tests {
     fn observed_acceptance_moves_the_choice() {
         // Moderate cost growth; at the prior a small tree pays, and once the next token is always the top
         // candidate a 1-node tree is best; when it never is, plain decoding wins.
-        let c = curve([1.0, 1.1, 1.2, 1.4, 1.9, 2.9]);
+        let c = curve([1.0, 1.1, 1.2, 1.4, 1.9]);
         let mut good = AutoBudget::new(c.clone(), 1);
         for _ in 0..200 {
             good.observe_rank(Some(0));
