@@ -59,6 +59,14 @@ fn esp_configs() -> Vec<MethodArgs> {
             v.push(method(MethodArg::Esp, bc, k, TreeArg::Static, None));
         }
     }
+    // --bc auto: plain steps, probing steps and trees, as the measured cost curve and acceptance decide.
+    v.push(method(
+        MethodArg::Esp,
+        probespec::cli::BC_AUTO,
+        1,
+        TreeArg::Dynamic,
+        None,
+    ));
     v.push(method(MethodArg::Esp, 60, 2, TreeArg::Static, Some(vec![15, 4])));
     v.push(method(
         MethodArg::Esp,

@@ -199,21 +199,25 @@ impl Drafter for Esp {
             let probes = esp_probes(tree.len(), k);
             Draft { tree, probes }
         };
-        if self.dists.is_empty() {
-            // No candidates (first step after the context edge): probe from the root to get some back.
-            return with_masks(TokenTree::new(root));
-        }
+        // No candidates (after a plain step, or at the context edge): a tree is only the root, whose
+        // masks probe for the next step.
+        let no_candidates = self.dists.is_empty();
         let tree = match &self.cfg.tree {
-            TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
-            TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
             TreeShape::Auto => {
                 let auto = self.auto.as_mut().expect("begin() sets up --bc auto");
                 match auto.choose() {
+                    Some(_) if no_candidates => TokenTree::new(root),
                     Some(budget) => dynamic_tree(root, &self.dists, budget),
+                    // Plain decoding, except every few steps a probe to keep measuring acceptance.
+                    // (Not after every plain step merely because it left no candidates: that made
+                    // every other step a probe.)
                     None if auto.explore() => TokenTree::new(root),
                     None => return Draft::root_only(root),
                 }
             }
+            _ if no_candidates => TokenTree::new(root),
+            TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
+            TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
         };
         with_masks(tree)
     }
