@@ -19,9 +19,12 @@
 //! GGUF is run in its blocks or dequantised at load; only the memory traffic changes.
 //!
 //! # Speed
-//! Dequantisation costs a few instructions per 8 weights, paid once per tile of up to 4 rows; for one
-//! row the product stays close to memory-bandwidth bound. Output columns are split into ranges that
-//! rayon spreads over threads; each output element is computed by one thread.
+//! Dequantisation (an integer-to-float conversion and a multiply-add per weight) is paid once per tile
+//! of up to 4 rows, so one row is compute-bound on it rather than on memory, and each extra row of a
+//! tile adds one multiply-add per weight. On AVX-512 CPUs one register holds two weight rows' 8-lane
+//! accumulators (same lanes, same operations, half the instructions). Tall blocks dequantise a group
+//! of weight rows once into a buffer for the dense kernel instead. Output columns are split into
+//! ranges that rayon spreads over threads; each output element is computed by one thread.
 
 use rayon::prelude::*;
 
