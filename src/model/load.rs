@@ -360,7 +360,7 @@ fn build_from_gguf(
     let config = ModelConfig::from_gguf(&ct.metadata, vocab, tied)?;
     let c = &config;
     let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
-    // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head (`rope_rows`);
+    // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
     // reorder them so one RoPE convention serves every format: dense and block weights get their rows
     // reordered, candle-quantised ones their outputs.
     let linear_rows = |q: QTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
