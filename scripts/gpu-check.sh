@@ -12,12 +12,13 @@ out=${OUT:-gpu-check-out}
 mkdir -p "$out"
 work=$(mktemp -d)
 tar -C "$work" -xJf .device/bundle.tar.xz || { echo "no .device/bundle.tar.xz: run scripts/build-cuda.sh --bundle" >&2; exit 1; }
-# CUDA 13 runtime libraries: the machine's PyTorch wheels carry them.
+# CUDA 13 runtime libraries: the machine's PyTorch wheels carry them; the driver's libcuda is under
+# /usr/local/nvidia there.
 libdirs=$(python3 - <<'PY'
 import glob, os, site, sys
-names = ["libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13", "libcurand.so.10"]
+names = ["libcublas.so.13", "libcublasLt.so.13", "libcudart.so.13", "libcurand.so.10", "libcuda.so.1"]
 dirs = set()
-for root in site.getsitepackages() + [sys.prefix, "/usr/local/cuda"]:
+for root in site.getsitepackages() + [sys.prefix, "/usr/local/cuda", "/usr/local/nvidia"]:
     for n in names:
         dirs.update(os.path.dirname(p) for p in glob.glob(os.path.join(root, "**", n), recursive=True))
 print(":".join(sorted(dirs)))
