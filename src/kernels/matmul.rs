@@ -630,22 +630,6 @@ mod tests {
     #[test]
     #[ignore]
     fn timing() -> Result<()> {
-        fn median_ms(mut f: impl FnMut()) -> f64 {
-            f();
-            let mut v: Vec<f64> = (0..9)
-                .map(|_| {
-                    let t = std::time::Instant::now();
-                    let mut it = 0;
-                    while it < 3 || t.elapsed().as_secs_f64() < 0.02 {
-                        f();
-                        it += 1;
-                    }
-                    t.elapsed().as_secs_f64() * 1e3 / it as f64
-                })
-                .collect();
-            v.sort_by(f64::total_cmp);
-            v[4]
-        }
         let dev = Device::Cpu;
         for (n, k) in [(576, 576), (1536, 576), (576, 1536), (49152, 576)] {
             let w = Tensor::randn(0f32, 1.0, (n, k), &dev)?;
@@ -657,9 +641,14 @@ mod tests {
                 let mut y = vec![0.0f32; m * n];
                 let ours: Vec<String> = paths()
                     .into_iter()
-                    .map(|p| format!("{:9.4}", median_ms(|| matmul_with(p, &xv, &wv, &mut y, m, k, n))))
+                    .map(|p| {
+                        format!(
+                            "{:9.4}",
+                            crate::kernels::median_ms(0.02, || matmul_with(p, &xv, &wv, &mut y, m, k, n))
+                        )
+                    })
                     .collect();
-                let theirs = median_ms(|| drop(x.matmul(&wt).unwrap()));
+                let theirs = crate::kernels::median_ms(0.02, || drop(x.matmul(&wt).unwrap()));
                 println!("{m:4} {} {theirs:9.4}", ours.join(" "));
             }
         }

@@ -19,3 +19,23 @@ pub mod qmatmul;
 pub use attention::{attention_f32, Visibility};
 pub use matmul::{linear_f32, matmul_xwt};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
+
+/// Milliseconds per call of `f`: the median of 9 timed runs, each repeating `f` at least 3 times and for at
+/// least `min_seconds` (the kernels' ignored `timing` tests).
+#[cfg(test)]
+pub(crate) fn median_ms(min_seconds: f64, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut v: Vec<f64> = (0..9)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            let mut it = 0;
+            while it < 3 || t.elapsed().as_secs_f64() < min_seconds {
+                f();
+                it += 1;
+            }
+            t.elapsed().as_secs_f64() * 1e3 / it as f64
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[4]
+}

@@ -325,6 +325,15 @@ mod avx2 {
     const Q4_1: u8 = BlockFormat::Q4_1.tag();
     const Q8_0: u8 = BlockFormat::Q8_0.tag();
 
+    /// Bytes per block of the format with tag `f`.
+    const fn block_bytes(f: u8) -> usize {
+        match f {
+            Q4_0 => BlockFormat::Q4_0.block_bytes(),
+            Q4_1 => BlockFormat::Q4_1.block_bytes(),
+            _ => BlockFormat::Q8_0.block_bytes(),
+        }
+    }
+
     pub(super) fn available() -> bool {
         crate::kernels::matmul::avx2_fma_available() && is_x86_feature_detected!("f16c")
     }
@@ -452,11 +461,7 @@ mod avx2 {
     ) {
         let (k, rb) = (g.k, g.rb);
         let w = g.w.add(c0 * rb);
-        let bb = match F {
-            Q4_0 => BlockFormat::Q4_0.block_bytes(),
-            Q4_1 => BlockFormat::Q4_1.block_bytes(),
-            _ => BlockFormat::Q8_0.block_bytes(),
-        };
+        let bb = block_bytes(F);
         let mut acc = [[_mm256_setzero_ps(); C]; R];
         let mut wv = [[_mm256_setzero_ps(); 4]; C];
         for b in 0..k / BLOCK {
@@ -586,7 +591,7 @@ mod avx2 {
     /// wide. Every lane does exactly what the AVX2 tile does for its row (same chunks, same order,
     /// same fused operations), so results are bit-identical to it; only the throughput changes.
     pub(super) mod avx512 {
-        use super::{hsum, tile, BlockFormat, Group, BLOCK, Q4_0, Q4_1};
+        use super::{block_bytes, hsum, tile, Group, BLOCK, Q4_0, Q4_1};
         use std::arch::x86_64::*;
         use std::sync::atomic::{AtomicBool, Ordering};
         use std::sync::OnceLock;
@@ -629,11 +634,7 @@ mod avx2 {
         ) {
             let (k, rb) = (g.k, g.rb);
             let w = g.w.add(c0 * rb);
-            let bb = match F {
-                Q4_0 => BlockFormat::Q4_0.block_bytes(),
-                Q4_1 => BlockFormat::Q4_1.block_bytes(),
-                _ => BlockFormat::Q8_0.block_bytes(),
-            };
+            let bb = block_bytes(F);
             let mut acc = [[_mm512_setzero_ps(); P]; R];
             let mut wv = [[_mm512_setzero_ps(); 4]; P];
             for b in 0..k / BLOCK {
@@ -954,22 +955,6 @@ mod tests {
     #[test]
     #[ignore]
     fn timing() {
-        fn median_ms(mut f: impl FnMut()) -> f64 {
-            f();
-            let mut v: Vec<f64> = (0..9)
-                .map(|_| {
-                    let t = std::time::Instant::now();
-                    let mut it = 0;
-                    while it < 3 || t.elapsed().as_secs_f64() < 0.05 {
-                        f();
-                        it += 1;
-                    }
-                    t.elapsed().as_secs_f64() * 1e3 / it as f64
-                })
-                .collect();
-            v.sort_by(f64::total_cmp);
-            v[4]
-        }
         let mut rng = StdRng::seed_from_u64(11);
         // 30 layers' worth of each matrix, cycled, so that weights come from memory.
         for (n, k, copies) in [(576, 576, 30), (1536, 576, 30), (576, 1536, 30), (49152, 576, 1)] {
@@ -985,15 +970,15 @@ mod tests {
                 let x = random(&mut rng, m * k);
                 let mut y = vec![0.0f32; m * n];
                 let mut i = 0;
-                let d = median_ms(|| {
+                let d = crate::kernels::median_ms(0.05, || {
                     i = (i + 1) % copies;
                     crate::kernels::matmul_xwt(&x, &dense[i], &mut y, m, k, n)
                 });
-                let a = median_ms(|| {
+                let a = crate::kernels::median_ms(0.05, || {
                     i = (i + 1) % copies;
                     matmul_blocks(&x, &q41[i], &mut y, m)
                 });
-                let b = median_ms(|| {
+                let b = crate::kernels::median_ms(0.05, || {
                     i = (i + 1) % copies;
                     matmul_blocks(&x, &q80[i], &mut y, m)
                 });
