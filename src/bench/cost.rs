@@ -7,10 +7,10 @@
 //! the median of `--repeats` runs per point and the ratio to one row.
 
 use crate::cli::{load, select_device, select_dtype, ModelArgs};
+use crate::decode::auto_bc::time_step;
 use crate::model::synthetic::{random_model, shape_config};
 use crate::model::{BlockMask, KvCache, Transformer};
 use anyhow::{bail, Result};
-use candle_core::{DType, Tensor};
 use clap::Args;
 use std::time::Instant;
 
@@ -122,12 +122,12 @@ pub fn cost_curve(
         prefill(model, &ids[..ctx], &mut cache)?;
         // Warm-up: first touch of weights and buffers, kernel selection on GPUs.
         for &r in rows {
-            time_step(model, &ids, ctx, r, &mut cache)?;
+            time_step(model, &ids[ctx..ctx + r], &mut cache)?;
         }
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
         for _ in 0..repeats {
             for (i, &r) in rows.iter().enumerate() {
-                times[i].push(time_step(model, &ids, ctx, r, &mut cache)?);
+                times[i].push(time_step(model, &ids[ctx..ctx + r], &mut cache)?);
             }
         }
         let medians: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();
@@ -155,26 +155,6 @@ fn prefill(model: &Transformer, ids: &[u32], cache: &mut KvCache) -> Result<()> 
         model.forward(&model.embed(chunk)?, &pos, &BlockMask::Causal, cache)?;
     }
     Ok(())
-}
-
-/// Seconds of one step: a block of `rows` after `ctx` cached tokens under an additive mask (a tree's
-/// shape does not change the cost), then one row of logits, read back to the host; the cache is
-/// rolled back afterwards.
-fn time_step(model: &Transformer, ids: &[u32], ctx: usize, rows: usize, cache: &mut KvCache) -> Result<f64> {
-    let x = model.embed(&ids[ctx..ctx + rows])?;
-    let positions: Vec<u32> = (ctx as u32..(ctx + rows) as u32).collect();
-    let mask = if rows == 1 {
-        BlockMask::Causal
-    } else {
-        BlockMask::Additive(Tensor::zeros((rows, ctx + rows), DType::F32, &model.device)?)
-    };
-    model.device.synchronize()?;
-    let t = Instant::now();
-    let h = model.forward(&x, &positions, &mask, cache)?;
-    model.logits(&h, &[0])?.to_vec2::<f32>()?;
-    let dt = t.elapsed().as_secs_f64();
-    cache.truncate(ctx);
-    Ok(dt)
 }
 
 fn median(v: &mut [f64]) -> f64 {

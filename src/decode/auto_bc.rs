@@ -7,9 +7,9 @@
 //! dynamic tree of `B` nodes with one mask depth accepts its first level when that rank is below `B`, so
 //! the rank histogram prices every budget at once, whichever budget was in use when it was observed.
 
-use crate::model::{BlockMask, Transformer};
+use crate::model::{BlockMask, KvCache, Transformer};
 use anyhow::Result;
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -52,25 +52,7 @@ impl CostCurve {
             &mut cache,
         )?;
         let fill = context[ctx - 1];
-        let mut time_block = |s: usize| -> Result<f64> {
-            let x = model.embed(&vec![fill; s])?;
-            let positions: Vec<u32> = (ctx as u32..(ctx + s) as u32).collect();
-            let mask = if s == 1 {
-                BlockMask::Causal
-            } else {
-                BlockMask::Additive(Tensor::zeros(
-                    (s, ctx + s),
-                    candle_core::DType::F32,
-                    &model.device,
-                )?)
-            };
-            let t = Instant::now();
-            let h = model.forward(&x, &positions, &mask, &mut cache)?;
-            model.logits(&h, &[0])?.to_vec2::<f32>()?;
-            let dt = t.elapsed().as_secs_f64();
-            cache.truncate(ctx);
-            Ok(dt)
-        };
+        let mut time_block = |s: usize| time_step(model, &vec![fill; s], &mut cache);
         time_block(1)?; // warm-up: first-touch of weights and buffers
         let mut seconds = Vec::with_capacity(TIMED_ROWS.len());
         for &s in &TIMED_ROWS {
@@ -119,6 +101,27 @@ impl CostCurve {
         let (y0, y1) = (self.seconds[a], self.seconds[b]);
         y0 + (y1 - y0) * (r as f64 - x0) / (x1 - x0)
     }
+}
+
+/// Seconds of one decoding step: the block of tokens `block` after the cache's committed rows, under an
+/// additive mask (a tree's shape does not change the cost), then one row of logits read back to the host;
+/// the cache is rolled back afterwards.
+pub fn time_step(model: &Transformer, block: &[u32], cache: &mut KvCache) -> Result<f64> {
+    let (ctx, rows) = (cache.len(), block.len());
+    let x = model.embed(block)?;
+    let positions: Vec<u32> = (ctx as u32..(ctx + rows) as u32).collect();
+    let mask = if rows == 1 {
+        BlockMask::Causal
+    } else {
+        BlockMask::Additive(Tensor::zeros((rows, ctx + rows), DType::F32, &model.device)?)
+    };
+    model.device.synchronize()?;
+    let t = Instant::now();
+    let h = model.forward(&x, &positions, &mask, cache)?;
+    model.logits(&h, &[0])?.to_vec2::<f32>()?;
+    let dt = t.elapsed().as_secs_f64();
+    cache.truncate(ctx);
+    Ok(dt)
 }
 
 /// Picks the node budget per step from the cost curve and the observed acceptance.

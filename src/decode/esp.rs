@@ -194,32 +194,25 @@ impl Drafter for Esp {
     // Room is the loop's concern: a draft that does not fit is replaced there by the root alone.
     fn draft(&mut self, root: u32, _history: &[u32], _max_rows: usize) -> Draft {
         self.root = root;
-        let k = self.cfg.masks;
-        let with_masks = |tree: TokenTree| {
-            let probes = esp_probes(tree.len(), k);
-            Draft { tree, probes }
-        };
-        // No candidates (after a plain step, or at the context edge): a tree is only the root, whose
-        // masks probe for the next step.
-        let no_candidates = self.dists.is_empty();
+        // Without candidates (after a plain step, or at the context edge) the tree builders return the
+        // root alone, whose masks probe for the next step.
         let tree = match &self.cfg.tree {
+            TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
+            TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
             TreeShape::Auto => {
                 let auto = self.auto.as_mut().expect("begin() sets up --bc auto");
                 match auto.choose() {
-                    Some(_) if no_candidates => TokenTree::new(root),
                     Some(budget) => dynamic_tree(root, &self.dists, budget),
-                    // Plain decoding, except every few steps a probe to keep measuring acceptance.
-                    // (Not after every plain step merely because it left no candidates: that made
-                    // every other step a probe.)
+                    // Plain decoding, with a probe every few steps to keep measuring acceptance.
                     None if auto.explore() => TokenTree::new(root),
                     None => return Draft::root_only(root),
                 }
             }
-            _ if no_candidates => TokenTree::new(root),
-            TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
-            TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
         };
-        with_masks(tree)
+        Draft {
+            probes: esp_probes(tree.len(), self.cfg.masks),
+            tree,
+        }
     }
 
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
