@@ -47,7 +47,7 @@ pub fn method(
     }
 }
 
-/// Every ESP configuration the issue names.
+/// The paper's ESP configurations (docs/ESP.md) and more: k = 1..3 at BC 10, 30, 60.
 fn esp_configs() -> Vec<MethodArgs> {
     let mut v = Vec::new();
     for k in 1..=3 {

@@ -24,15 +24,10 @@ fn smollm2() -> LoadedModel {
 
 /// First turns of Spec-Bench, `per_group` from each of its six groups (mt_bench spread over its categories).
 fn specbench_prompts(per_group: usize) -> Vec<(String, String)> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../shared/specbench/question.jsonl");
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {path}: {e}"));
+    let (questions, _) = probespec::bench::questions::bundled_questions();
     let mut by_cat: std::collections::BTreeMap<String, Vec<String>> = Default::default();
-    for line in text.lines() {
-        let v: serde_json::Value = serde_json::from_str(line).unwrap();
-        by_cat
-            .entry(v["category"].as_str().unwrap().to_string())
-            .or_default()
-            .push(v["turns"][0].as_str().unwrap().to_string());
+    for q in questions {
+        by_cat.entry(q.category).or_default().push(q.turns[0].clone());
     }
     let mut out = Vec::new();
     for group in ["translation", "summarization", "qa", "math_reasoning", "rag"] {
@@ -129,7 +124,7 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     }
     let tau = committed as f64 / calls as f64;
     eprintln!("ESP bc 30 k 1 tau over {} prompts: {tau:.3}", prompts.len());
-    // An exact implementation reaches about 1.2 on this model (PERFORMANCE.md); far lower means a bug in the
-    // mask offsets, attention pattern or cache compaction.
+    // An exact implementation reaches about 1.2 on this model (docs/ESP.md, reference acceptance); far lower
+    // means a bug in the mask offsets, attention pattern or cache compaction.
     assert!(tau > 1.12, "tau {tau:.3} is too low for ESP on SmolLM2");
 }

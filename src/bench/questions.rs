@@ -84,6 +84,34 @@ pub fn sort_groups(groups: impl IntoIterator<Item = String>) -> Vec<String> {
 }
 
 /// Reads and validates a question file. An error names the file and the 1-based line number.
+/// Spec-Bench's own `question.jsonl` (480 questions, Apache-2.0; `data/spec_bench/NOTICE`), embedded in the
+/// binary so that an installed `probespec bench` runs it without any file at hand.
+pub const SPEC_BENCH_QUESTIONS: &str = include_str!("../../data/spec_bench/question.jsonl");
+
+/// What `run.json` records as the question file when the embedded one is used.
+pub const BUNDLED_NAME: &str = "spec-bench (bundled)";
+
+/// The embedded Spec-Bench questions and their content hash.
+pub fn bundled_questions() -> (Vec<Question>, String) {
+    let questions = parse_questions(SPEC_BENCH_QUESTIONS).expect("the bundled Spec-Bench file parses");
+    (questions, fnv1a_hex(SPEC_BENCH_QUESTIONS.as_bytes()))
+}
+
+/// The questions of `--questions FILE`, or the bundled Spec-Bench file without it; with the name recorded in
+/// `run.json` and the content hash.
+pub fn questions_or_bundled(path: Option<&Path>) -> Result<(Vec<Question>, String, String)> {
+    match path {
+        Some(p) => {
+            let (q, h) = load_questions(p)?;
+            Ok((q, h, p.display().to_string()))
+        }
+        None => {
+            let (q, h) = bundled_questions();
+            Ok((q, h, BUNDLED_NAME.to_string()))
+        }
+    }
+}
+
 pub fn load_questions(path: &Path) -> Result<(Vec<Question>, String)> {
     let bytes =
         std::fs::read(path).with_context(|| format!("cannot read the question file {}", path.display()))?;
@@ -257,6 +285,22 @@ mod tests {
 {"question_id": 3, "category": "qa", "turns": ["d"]}
 {"question_id": 4, "category": "roleplay", "turns": ["e", "f"]}
 "#;
+
+    /// The embedded file is Spec-Bench's: 480 questions, 80 per group, MT-bench two turns and the others one.
+    #[test]
+    fn bundled_file_is_spec_bench() {
+        let (q, hash) = bundled_questions();
+        assert_eq!(q.len(), 480);
+        let mut per_group: HashMap<String, usize> = HashMap::new();
+        for x in &q {
+            *per_group.entry(x.group()).or_default() += 1;
+            let turns = if x.group() == "mt_bench" { 2 } else { 1 };
+            assert_eq!(x.turns.len(), turns, "question {}", x.question_id);
+        }
+        assert_eq!(per_group.len(), 6);
+        assert!(per_group.values().all(|&n| n == 80), "{per_group:?}");
+        assert_eq!(hash, fnv1a_hex(SPEC_BENCH_QUESTIONS.as_bytes()));
+    }
 
     #[test]
     fn parses_and_groups() {

@@ -1,4 +1,4 @@
-//! ESP, Embedding-Space Probing (ESP.md): k mask vectors made from the mean of the prompt's embeddings are
+//! ESP, Embedding-Space Probing (docs/ESP.md): k mask vectors made from the mean of the prompt's embeddings are
 //! appended to every tree node; mask j of a node sits j positions after it, so its logits guess the token
 //! j + 1 places after that node. The masks of the deepest accepted node seed the next step's tree.
 

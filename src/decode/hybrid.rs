@@ -4,7 +4,7 @@
 //! [`super::esp`], whose [`MaskEmbedding`] and candidate lists this reuses).
 //!
 //! Two ways to fill the node budget ([`HybridMode`]):
-//! - **simple** (PERFORMANCE.md's first hybrid): the prompt-lookup chain root -> c1 -> c2 -> ... (up to
+//! - **simple** (the reference hybrid of docs/ESP.md): the prompt-lookup chain root -> c1 -> c2 -> ... (up to
 //!   `draft_len` tokens), then ESP's candidates (its dynamic tree from the previous step's mask logits; with
 //!   k = 1 the top depth-1 tokens, siblings of c1) until the budget is full.
 //! - **scored** (the default): every source proposes scored paths, merged into one candidate trie, and the
@@ -249,7 +249,7 @@ impl Hybrid {
         self.esp_accepted / self.esp_mass
     }
 
-    /// PERFORMANCE.md's hybrid: the lookup chain, then ESP's tree until the budget is full.
+    /// The reference hybrid of docs/ESP.md: the lookup chain, then ESP's tree until the budget is full.
     fn draft_simple(&self, root: u32, history: &[u32], budget: usize) -> TokenTree {
         let mut tree = TokenTree::with_capacity(root, 1 + budget);
         if let Some(m) = lookup(history, self.cfg.max_ngram, self.cfg.draft_len.min(budget)) {

@@ -430,7 +430,7 @@ impl LayoutCache {
 pub type Candidates = Vec<(u32, f32)>;
 
 /// Static tree: depth i (1..=`branches.len()`) gets `branches[i-1]` candidates from `dists[i-1]`; only the
-/// top-1 node of each depth gets children. Pruning (ESP.md): a candidate equal to its parent's token is
+/// top-1 node of each depth gets children. Pruning (docs/ESP.md): a candidate equal to its parent's token is
 /// skipped and the next best of the same distribution takes its place. Depths beyond `dists.len()` are not
 /// built. Duplicate tokens among siblings are never added. A depth that gets no node ends the tree.
 pub fn static_tree(root: u32, dists: &[Candidates], branches: &[usize]) -> TokenTree {
