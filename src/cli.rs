@@ -157,7 +157,8 @@ impl Default for MethodArgs {
 
 #[derive(Args, Debug, Clone)]
 pub struct GenerateArgs {
-    /// The prompt; read from stdin when absent or "-".
+    /// The prompt; read from stdin when "-" or when stdin is not a terminal. Absent with a terminal: an
+    /// interactive conversation (/exit or Ctrl-D ends it, /reset starts over).
     pub prompt: Option<String>,
     #[command(flatten)]
     pub model: ModelArgs,
@@ -420,6 +421,10 @@ fn check_sampling(a: &GenerateArgs) -> Result<SamplingParams> {
 }
 
 fn run_generate(a: &GenerateArgs) -> Result<()> {
+    use std::io::IsTerminal;
+    if a.prompt.is_none() && std::io::stdin().is_terminal() {
+        return run_chat(a);
+    }
     let sampling = check_sampling(a)?;
     let mut drafter = make_drafter(&a.method, a.seed)?;
     let text = read_prompt(a.prompt.as_deref())?;
@@ -473,4 +478,107 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
         eprintln!("{}", g.stats.summary_line(prompt.len()));
     }
     Ok(())
+}
+
+/// The interactive conversation: one line per user message, the reply streamed, a stats line per turn.
+fn run_chat(a: &GenerateArgs) -> Result<()> {
+    use rustyline::error::ReadlineError;
+    let sampling = check_sampling(a)?;
+    make_drafter(&a.method, a.seed)?;
+    if a.no_chat_template {
+        bail!("--no-chat-template needs a prompt: the interactive conversation uses the chat template");
+    }
+    let loaded = load(&a.model)?;
+    let params = GenerateParams {
+        max_new_tokens: a.max_new_tokens,
+        sampling,
+        stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
+    };
+    let mut chat = crate::chat::Conversation::new(&loaded.model, &loaded.tokenizer, a.system.clone())?;
+    let mut editor = rustyline::DefaultEditor::new().context("cannot open the terminal for input")?;
+    eprintln!(
+        "{} | {} | /exit or Ctrl-D to quit, /reset to start over",
+        loaded.description,
+        method_label(&a.method)
+    );
+    let stdout = std::io::stdout();
+    loop {
+        let line = match editor.readline(">>> ") {
+            Ok(l) => l,
+            Err(ReadlineError::Eof) => break,
+            // Ctrl-C on an empty prompt: a new prompt, as shells do.
+            Err(ReadlineError::Interrupted) => continue,
+            Err(e) => return Err(e).context("cannot read from the terminal"),
+        };
+        let text = line.trim();
+        match text {
+            "" => continue,
+            "/exit" | "/quit" | "/bye" => break,
+            "/reset" | "/clear" => {
+                chat.reset();
+                eprintln!("(new conversation)");
+                continue;
+            }
+            "/help" | "/?" => {
+                eprintln!("/exit, /quit or Ctrl-D: quit | /reset: forget the conversation | anything else: a message");
+                continue;
+            }
+            t if t.starts_with('/') => {
+                eprintln!("unknown command {t} (/help lists them)");
+                continue;
+            }
+            _ => {}
+        }
+        let _ = editor.add_history_entry(text);
+        let mut drafter = make_drafter(&a.method, a.seed)?;
+        let mut stream = StreamDecoder::new(&loaded.tokenizer);
+        let mut out = stdout.lock();
+        let turn = chat.turn(text, drafter.as_mut(), &params, &mut |t| {
+            if let Some(s) = stream.push(t)? {
+                out.write_all(s.as_bytes())?;
+                out.flush()?;
+            }
+            Ok(())
+        });
+        match turn {
+            Ok(turn) => {
+                if let Some(s) = stream.finish()? {
+                    out.write_all(s.as_bytes())?;
+                }
+                writeln!(out)?;
+                out.flush()?;
+                let s = &turn.generation.stats;
+                eprintln!(
+                    "[{}] {} tok | {:.1} tok/s | tau {:.2} | prefill {} tok ({} from cache) {:.2}s",
+                    s.method,
+                    s.new_tokens,
+                    s.tokens_per_second,
+                    s.tau,
+                    s.prefill_tokens,
+                    turn.reused_tokens,
+                    s.prefill_seconds
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out);
+                // A turn that cannot run (the context is full, ...) ends the turn, not the conversation.
+                eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// "esp, bc auto" and the like, for the conversation's banner.
+fn method_label(m: &MethodArgs) -> String {
+    let name = m
+        .method
+        .to_possible_value()
+        .map(|v| v.get_name().to_string())
+        .unwrap_or_default();
+    match m.method {
+        MethodArg::Esp | MethodArg::Hybrid if m.bc == BC_AUTO => format!("{name}, bc auto"),
+        MethodArg::Esp | MethodArg::Hybrid => format!("{name}, bc {}", m.bc),
+        _ => name,
+    }
 }

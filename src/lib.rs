@@ -5,6 +5,7 @@
 //! Output is token-identical to greedy decoding.
 
 pub mod bench;
+pub mod chat;
 pub mod cli;
 pub mod decode;
 pub mod kernels;

@@ -420,7 +420,135 @@ fn malformed_question_files_name_file_and_line() {
         assert!(stderr.contains(what), "{name}: {stderr}");
         assert!(!f.root.join("never").join("records.jsonl").exists());
     }
-    let o = probespec(&["bench", "--model", f.model.to_str().unwrap()]);
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("--questions"));
+}
+
+/// Without `--questions` the run reads Spec-Bench's own file, built into the binary: its first two
+/// question-answering items are 321 and 322.
+#[test]
+fn bundled_spec_bench_questions_without_a_file() {
+    let f = fixture();
+    let out = f.root.join("bundled");
+    ok(probespec(&[
+        "bench",
+        "--model",
+        f.model.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--methods",
+        "ar",
+        "--categories",
+        "qa",
+        "--limit-per-category",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--warmup",
+        "0",
+    ]));
+    let ids: Vec<i64> = records(&out)
+        .iter()
+        .map(|r| r["question_id"].as_i64().unwrap())
+        .collect();
+    assert_eq!(ids, vec![321, 322]);
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(out.join("run.json")).unwrap()).unwrap();
+    assert_eq!(run["settings"]["questions_file"], "spec-bench (bundled)");
+}
+
+/// `bench export --format spec-bench`: one model-answer file per configuration, from which Spec-Bench's
+/// `evaluation/speed.py` formulas (ported below) give the speedup and mean accepted tokens that
+/// `bench report` prints.
+#[test]
+fn spec_bench_export_agrees_with_the_report() {
+    let f = fixture();
+    let out = f.root.join("run");
+    ok(f.bench(&out, &["--methods", "ar,esp,pld", "--bc", "10", "--masks", "1"]));
+    let export = f.root.join("export");
+    let listed = ok(probespec(&[
+        "bench",
+        "export",
+        out.to_str().unwrap(),
+        "--format",
+        "spec-bench",
+        "--out",
+        export.to_str().unwrap(),
+    ]));
+    assert_eq!(String::from_utf8_lossy(&listed.stdout).lines().count(), 3);
+    let tok = probespec::tokenizer::TextTokenizer::from_hf_dir(&f.model).unwrap();
+    let read = |name: &str| -> Vec<Value> {
+        std::fs::read_to_string(export.join(format!("{name}.jsonl")))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let base = read("ar");
+    assert_eq!(base.len(), 4, "one line per question");
+    // speed.py: a method's tokens/s per question = sum(new_tokens) / sum(wall_time); the baseline's
+    // tokens are len(tokenizer(text).input_ids) - 1 per turn; speedup = ratio of the means.
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let wall = |q: &Value| -> f64 {
+        q["choices"][0]["wall_time"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .sum()
+    };
+    let base_speeds: Vec<f64> = base
+        .iter()
+        .map(|q| {
+            let tokens: i64 = q["choices"][0]["turns"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| tok.encode(t.as_str().unwrap()).unwrap().len() as i64 - 1)
+                .sum();
+            tokens as f64 / wall(q)
+        })
+        .collect();
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    for name in ["esp-bc10-k1", "pld"] {
+        let lines = read(name);
+        let speeds: Vec<f64> = lines
+            .iter()
+            .map(|q| {
+                let n: u64 = q["choices"][0]["new_tokens"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_u64().unwrap())
+                    .sum();
+                n as f64 / wall(q)
+            })
+            .collect();
+        let accept: Vec<f64> = lines
+            .iter()
+            .flat_map(|q| q["choices"][0]["accept_lengths"].as_array().unwrap().clone())
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let config = summary["configs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["config"] == name)
+            .unwrap();
+        let overall = &config["groups"]["overall"];
+        let speedup = mean(&speeds) / mean(&base_speeds);
+        assert!(
+            (overall["speedup"].as_f64().unwrap() - speedup).abs() < 1e-9,
+            "{name}: report {} vs speed.py {speedup}",
+            overall["speedup"]
+        );
+        assert!(
+            (overall["tau"].as_f64().unwrap() - mean(&accept)).abs() < 1e-9,
+            "{name}: tau"
+        );
+        // Each turn's text is what the configuration generated.
+        for q in &lines {
+            for t in q["choices"][0]["turns"].as_array().unwrap() {
+                assert!(!t.as_str().unwrap().is_empty() || q["choices"][0]["new_tokens"][0] == 1);
+            }
+        }
+    }
 }

@@ -1,11 +1,12 @@
 //! `probespec bench`: the Spec-Bench runner.
 //!
-//! - `probespec bench --questions question.jsonl [--methods ar,esp] [--bc 10,30,60] [--masks 1,2] ...`
+//! - `probespec bench [--questions question.jsonl] [--methods ar,esp] [--bc 10,30,60] [--masks 1,2] ...`
 //!   decodes every question with every configuration, interleaved per question, appending a record per
 //!   question × turn × configuration to `DIR/records.jsonl` (resumable), then writes `summary.json`,
 //!   `table.md` and `chart.svg` and prints the table;
 //! - `probespec bench report DIR` re-renders those three from the records;
-//! - `probespec bench merge OUT DIR...` joins the record sets of shards (`--shard I/N`) into OUT.
+//! - `probespec bench merge OUT DIR...` joins the record sets of shards (`--shard I/N`) into OUT;
+//! - `probespec bench export DIR --format spec-bench` writes Spec-Bench model-answer files ([`export`]).
 //!
 //! `probespec cost` (module [`cost`]) times the forward pass against block size.
 //!
@@ -15,6 +16,7 @@
 
 pub mod chart;
 pub mod cost;
+pub mod export;
 pub mod facts;
 pub mod questions;
 pub mod records;
@@ -57,14 +59,23 @@ pub enum BenchAction {
         #[arg(required = true, num_args = 1..)]
         dirs: Vec<PathBuf>,
     },
+    /// Write DIR's records in another tool's format: `--format spec-bench` gives one model-answer file
+    /// per configuration, for Spec-Bench's `evaluation/speed.py`.
+    Export {
+        /// An output folder of `probespec bench`.
+        dir: PathBuf,
+        #[arg(long, value_enum, default_value_t = export::Format::SpecBench)]
+        format: export::Format,
+        /// Folder for the files (default: DIR/spec-bench).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
 }
 
 #[derive(Args, Debug, Clone)]
 pub struct BenchRunArgs {
-    /// Question file (required): JSON lines {"question_id": int, "category": str, "turns": [str, ...]}, as
-    /// Spec-Bench's question.jsonl.
-    // Checked by hand rather than by clap: the CLI prints the first line of a clap error only, and clap's
-    // missing-argument error names the argument on its second line.
+    /// Question file: JSON lines {"question_id": int, "category": str, "turns": [str, ...]}, as Spec-Bench's
+    /// question.jsonl. Default: Spec-Bench's own 480 questions, built into the binary.
     #[arg(long)]
     pub questions: Option<PathBuf>,
     #[command(flatten)]
@@ -118,6 +129,18 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         None => runner::run_bench(&args.run),
         Some(BenchAction::Report { dir }) => report_dir(dir),
         Some(BenchAction::Merge { out, dirs }) => merge(out, dirs),
+        Some(BenchAction::Export { dir, format, out }) => {
+            read_run(dir)?;
+            let file = read_records(&dir.join(RECORDS_FILE))?;
+            if file.records.is_empty() {
+                bail!("{} has no records", dir.join(RECORDS_FILE).display());
+            }
+            let out = out.clone().unwrap_or_else(|| dir.join("spec-bench"));
+            for path in export::write(*format, &file.records, &out)? {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
     }
 }
 

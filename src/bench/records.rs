@@ -43,6 +43,16 @@ pub struct Record {
     pub wall_seconds: f64,
     pub tokens: Vec<u32>,
     pub finish_reason: String,
+    /// Tokens committed by each decoding call (Spec-Bench's `accept_lengths`; absent in older records).
+    #[serde(default)]
+    pub accept_lengths: Vec<usize>,
+    /// The answer as text, special tokens removed and trimmed (what Spec-Bench stores as the turn).
+    #[serde(default)]
+    pub text: Option<String>,
+    /// Tokens of `text` re-encoded as the model's tokenizer encodes a prompt (BOS included where the model
+    /// adds one): what Spec-Bench's `speed.py` counts, minus one, for the baseline's tokens.
+    #[serde(default)]
+    pub text_tokens: Option<usize>,
 }
 
 impl Record {
@@ -296,6 +306,9 @@ mod tests {
             wall_seconds: 0.2,
             tokens: vec![5, 6],
             finish_reason: "max_new_tokens".into(),
+            accept_lengths: vec![1],
+            text: None,
+            text_tokens: None,
         }
     }
 

@@ -5,7 +5,10 @@
 //!   group (prefill excluded), so long answers weigh by their steps, as in Spec-Bench.
 //! - speedup: per question, tokens/s = generated tokens over the summed wall time of its turns; the
 //!   group's speedup is the mean of that over the group's questions divided by the same mean for `ar`,
-//!   over the questions both finished.
+//!   over the questions both finished. As in Spec-Bench's `evaluation/speed.py`, the baseline's tokens are
+//!   re-counted from its answer text: `len(tokenize(text)) - 1` per turn (records carry that count), so
+//!   `speed.py` run on `bench export`'s files prints the same number. `speedup_generated` counts the
+//!   baseline's generated tokens instead (the two differ by the stop token and the "- 1").
 //! - lossless: every configuration's tokens against `ar`'s, per question and turn.
 //!
 //! Everything here is a pure function of the records and run.json, so `bench report` re-renders exactly
@@ -32,8 +35,11 @@ pub struct GroupStats {
     pub tau: Option<f64>,
     /// Mean over questions of per-question tokens/s.
     pub tokens_per_second: Option<f64>,
-    /// Over `ar`, on the questions both finished; none without `ar` records.
+    /// Over `ar`, on the questions both finished, with `ar`'s tokens counted as Spec-Bench's `speed.py`
+    /// counts them (from its answer text); none without `ar` records.
     pub speedup: Option<f64>,
+    /// The same with `ar`'s generated tokens.
+    pub speedup_generated: Option<f64>,
     pub wall_seconds: f64,
     /// Turns whose tokens differ from `ar`'s.
     pub mismatches: usize,
@@ -79,6 +85,9 @@ struct QuestionTotals {
     group: String,
     turns: usize,
     new_tokens: usize,
+    /// Tokens as `speed.py` counts a baseline's: `text_tokens - 1` per turn (generated tokens for records
+    /// without text).
+    recounted_tokens: i64,
     model_calls: usize,
     committed: usize,
     wall_seconds: f64,
@@ -87,6 +96,19 @@ struct QuestionTotals {
 impl QuestionTotals {
     fn tokens_per_second(&self) -> Option<f64> {
         (self.wall_seconds > 0.0).then(|| self.new_tokens as f64 / self.wall_seconds)
+    }
+
+    /// Tokens per second as Spec-Bench's `speed.py` computes it for the baseline.
+    fn recounted_tokens_per_second(&self) -> Option<f64> {
+        (self.wall_seconds > 0.0).then(|| self.recounted_tokens as f64 / self.wall_seconds)
+    }
+}
+
+/// What `speed.py` counts for one baseline turn.
+pub fn recounted_tokens(r: &Record) -> i64 {
+    match r.text_tokens {
+        Some(n) => n as i64 - 1,
+        None => r.new_tokens as i64,
     }
 }
 
@@ -133,6 +155,7 @@ pub fn compute(records: Vec<Record>) -> Report {
         t.group.clone_from(&r.group);
         t.turns += 1;
         t.new_tokens += r.new_tokens;
+        t.recounted_tokens += recounted_tokens(r);
         t.model_calls += r.model_calls;
         t.committed += r.committed;
         t.wall_seconds += r.wall_seconds;
@@ -194,10 +217,18 @@ pub fn compute(records: Vec<Record>) -> Report {
                 .filter_map(|(q, t)| ref_q.get(q).map(|r| (*t, r)))
                 .collect();
             let num = mean(both.iter().filter_map(|(t, _)| t.tokens_per_second()));
-            let den = mean(both.iter().filter_map(|(_, r)| r.tokens_per_second()));
-            s.speedup = match (num, den) {
+            let den = mean(both.iter().filter_map(|(_, r)| r.recounted_tokens_per_second()));
+            let den_generated = mean(both.iter().filter_map(|(_, r)| r.tokens_per_second()));
+            let ratio = |n: Option<f64>, d: Option<f64>| match (n, d) {
                 (Some(n), Some(d)) if d > 0.0 => Some(n / d),
                 _ => None,
+            };
+            s.speedup_generated = ratio(num, den_generated);
+            // The reference is the baseline itself: 1 by definition, whichever count.
+            s.speedup = if Some(c) == reference.as_ref() {
+                s.speedup_generated
+            } else {
+                ratio(num, den)
             };
             s.mismatches = mismatches
                 .iter()
@@ -266,7 +297,10 @@ pub fn render_table(run: &RunInfo, report: &Report) -> String {
             .map(|sh| format!(", shard {sh}"))
             .unwrap_or_default()
     ));
-    out.push_str("Cells: tau (#MAT, tokens committed per model call) / speedup over ar (mean tokens/s per question).\n\n");
+    out.push_str(
+        "Cells: tau (#MAT, tokens committed per model call) / speedup over ar (mean tokens/s per question; \
+         ar's tokens re-counted from its text, as Spec-Bench's speed.py does).\n\n",
+    );
     let mut header = vec!["Configuration".to_string()];
     header.extend(report.groups.iter().map(|g| group_title(g)));
     header.push("Mismatches".into());
@@ -365,6 +399,9 @@ mod tests {
             wall_seconds: wall,
             tokens,
             finish_reason: "max_new_tokens".into(),
+            accept_lengths: Vec::new(),
+            text: None,
+            text_tokens: None,
         }
     }
 
@@ -407,6 +444,20 @@ mod tests {
             }]
         );
         assert_eq!((mt.mismatches, esp.groups["qa"].mismatches), (1, 0));
+        assert_eq!(r.configs[0].groups["overall"].speedup, Some(1.0));
+    }
+
+    /// With answer texts, the baseline's tokens are `speed.py`'s count (text tokens - 1 per turn).
+    #[test]
+    fn speedup_recounts_the_baseline_from_text() {
+        let t = vec![1, 2, 3, 4, 5];
+        let mut ar = rec(1, "qa", 1, 1, "ar", 5, 4, 1.0, t.clone());
+        ar.text_tokens = Some(4); // speed.py counts 3 tokens: 3 tok/s
+        let esp = rec(1, "qa", 1, 1, "esp-bc30-k1", 5, 2, 1.0, t); // 5 tok/s
+        let r = compute(vec![ar, esp]);
+        let g = &r.configs[1].groups["overall"];
+        assert!((g.speedup.unwrap() - 5.0 / 3.0).abs() < 1e-12);
+        assert!((g.speedup_generated.unwrap() - 1.0).abs() < 1e-12);
         assert_eq!(r.configs[0].groups["overall"].speedup, Some(1.0));
     }
 

@@ -5,7 +5,7 @@
 //! method alike instead of favouring whichever ran in the cooler hour.
 
 use super::facts;
-use super::questions::{load_questions, select, Question, Selection};
+use super::questions::{questions_or_bundled, select, Question, Selection};
 use super::records::{
     complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
     Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
@@ -144,7 +144,8 @@ impl Engine<'_> {
             // The answer as the next turn sees it: text without special tokens, trimmed (Spec-Bench
             // strips stop strings and whitespace the same way).
             let answer = tok.decode(&g.tokens)?.trim().to_string();
-            messages.push(Message::new("assistant", answer));
+            let text_tokens = tok.encode(&answer)?.len();
+            messages.push(Message::new("assistant", answer.clone()));
             let committed = g.stats.committed_by_calls();
             on_turn(Record {
                 question_id: q.question_id,
@@ -170,6 +171,9 @@ impl Engine<'_> {
                 wall_seconds,
                 tokens: g.tokens,
                 finish_reason: g.finish_reason.to_string(),
+                accept_lengths: g.stats.accept_lengths,
+                text: Some(answer),
+                text_tokens: Some(text_tokens),
             })?;
         }
         Ok(())
@@ -222,11 +226,7 @@ fn value_name<T: ValueEnum + std::fmt::Debug>(v: &T) -> String {
 
 /// `probespec bench --questions ...`.
 pub fn run_bench(a: &BenchRunArgs) -> Result<()> {
-    let qpath = a
-        .questions
-        .as_ref()
-        .context("--questions FILE is required (or `bench report DIR`, `bench merge OUT DIR...`)")?;
-    let (all, questions_hash) = load_questions(qpath)?;
+    let (all, questions_hash, questions_file) = questions_or_bundled(a.questions.as_deref())?;
     if a.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
     }
@@ -269,7 +269,7 @@ pub fn run_bench(a: &BenchRunArgs) -> Result<()> {
             .unwrap_or(f64::from(a.mask_lambda)),
         seed: a.seed,
         system: a.system.clone(),
-        questions_file: qpath.display().to_string(),
+        questions_file,
         questions_hash,
         categories: a.categories.clone(),
         limit_per_category: a.limit_per_category,

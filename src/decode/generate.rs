@@ -73,6 +73,22 @@ pub fn generate(
     params: &GenerateParams,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
+    let mut cache = model.new_cache(0)?;
+    generate_in(model, &mut cache, prompt, drafter, params, on_token)
+}
+
+/// [`generate`] over a cache that may already hold the keys and values of a prefix of `prompt` (a
+/// conversation's earlier turns): only the rest is prefilled. With the row-invariant CPU kernels that gives
+/// the same numbers as prefilling the whole prompt. Afterwards the cache holds a prefix of
+/// `prompt + generated tokens` (everything but the tokens never fed back), ready for the next turn.
+pub fn generate_in(
+    model: &Transformer,
+    cache: &mut KvCache,
+    prompt: &[u32],
+    drafter: &mut dyn Drafter,
+    params: &GenerateParams,
+    on_token: &mut dyn FnMut(u32) -> Result<()>,
+) -> Result<Generation> {
     let ctx = model.config.max_position_embeddings;
     if prompt.is_empty() {
         bail!("the prompt is empty");
@@ -88,24 +104,34 @@ pub fn generate(
     let mut sampler = Sampler::new(params.sampling);
     let t0 = Instant::now();
 
-    // Prefill: [prompt | prefill probes], plain causal attention.
+    // Prefill: [prompt not yet cached | prefill probes], plain causal attention. At least the last prompt
+    // token is fed: its logits give the first token.
     let probes = drafter.begin(model, prompt)?;
     let probes = if prompt.len() + probes <= ctx { probes } else { 0 };
-    let capacity = (prompt.len() + params.max_new_tokens + 256).min(ctx + 256);
-    let mut cache: KvCache = model.new_cache(capacity)?;
-    let mut x = model.embed(prompt)?;
+    cache.truncate(prompt.len() - 1);
+    let reused = cache.len();
+    // Room for the answer and one more block, never more than the context window needs.
+    let capacity = prompt
+        .len()
+        .saturating_add(params.max_new_tokens)
+        .saturating_add(256)
+        .min(ctx + 256);
+    cache.reserve(capacity)?;
+    let mut x = model.embed(&prompt[reused..])?;
     if probes > 0 {
         let p: Vec<Probe> = (1..=probes).map(|offset| Probe { owner: 0, offset }).collect();
         x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &p)?], 0)?;
     }
-    let positions: Vec<u32> = (0..(prompt.len() + probes) as u32).collect();
-    let hidden = model.forward(&x, &positions, &BlockMask::Causal, &mut cache)?;
-    let rows: Vec<usize> = (prompt.len() - 1..prompt.len() + probes).collect();
+    let positions: Vec<u32> = (reused as u32..(prompt.len() + probes) as u32).collect();
+    let hidden = model.forward(&x, &positions, &BlockMask::Causal, cache)?;
+    let last = prompt.len() - 1 - reused;
+    let rows: Vec<usize> = (last..last + 1 + probes).collect();
     let logits = model.logits(&hidden, &rows)?.to_vec2::<f32>()?;
     cache.truncate(prompt.len());
     let first = sampler.pick(&logits[0]);
     drafter.observe(model, &[first], &logits[1..])?;
     stats.prefill_seconds = t0.elapsed().as_secs_f64();
+    stats.prefill_tokens = prompt.len() - reused;
 
     let mut history = prompt.to_vec();
     let mut generated: Vec<u32> = Vec::new();
@@ -164,7 +190,7 @@ pub fn generate(
         stats.draft_seconds += t_draft.elapsed().as_secs_f64();
 
         let t_fwd = Instant::now();
-        let hidden = model.forward(&x, &positions, &mask, &mut cache)?;
+        let hidden = model.forward(&x, &positions, &mask, cache)?;
         stats.forward_seconds += t_fwd.elapsed().as_secs_f64();
 
         // Walk down the tree computing logits lazily: at each visited node its own row plus the probe rows
@@ -210,6 +236,8 @@ pub fn generate(
         drafter.observe(model, &pending, &probe_logits)?;
         stats.bookkeeping_seconds += t_book.elapsed().as_secs_f64();
     };
+    // A stop inside an accepted path leaves rows after it in the cache: keep only the history.
+    cache.truncate(history.len());
     stats.decode_seconds = t_decode.elapsed().as_secs_f64();
     stats.new_tokens = generated.len();
     stats.finish();

@@ -12,10 +12,14 @@ pub struct DecodeStats {
     /// Tokens committed by those calls / model_calls (1.0 for plain decoding).
     pub tau: f64,
     pub prefill_seconds: f64,
+    /// Prompt tokens the prefill computed (fewer than the prompt when a conversation's cache held the rest).
+    pub prefill_tokens: usize,
     pub decode_seconds: f64,
     pub tokens_per_second: f64,
     /// committed_histogram[n] = steps that committed n tokens.
     pub committed_histogram: Vec<usize>,
+    /// Tokens committed by each decoding call, in order (Spec-Bench's `accept_lengths`).
+    pub accept_lengths: Vec<usize>,
     /// Tree nodes and block rows (nodes + probes) summed over steps, for mean block sizes.
     pub tree_nodes: usize,
     pub block_rows: usize,
@@ -40,6 +44,7 @@ impl DecodeStats {
         self.tree_nodes += nodes;
         self.block_rows += rows;
         self.bump(committed, 1);
+        self.accept_lengths.push(committed);
         self.last_step = Some(committed);
     }
 
@@ -49,6 +54,9 @@ impl DecodeStats {
             if emitted < c {
                 self.committed_histogram[c] -= 1;
                 self.bump(emitted, 1);
+                if let Some(last) = self.accept_lengths.last_mut() {
+                    *last = emitted;
+                }
             }
         }
     }

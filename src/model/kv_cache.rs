@@ -34,6 +34,23 @@ impl KvCache {
         })
     }
 
+    /// Grows the buffers to hold at least `capacity` rows, keeping the committed ones.
+    pub fn reserve(&mut self, capacity: usize) -> Result<()> {
+        if capacity <= self.capacity {
+            return Ok(());
+        }
+        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+            let (b, _, h, d) = t.dims4()?;
+            let grown = Tensor::zeros((b, capacity, h, d), t.dtype(), t.device())?;
+            if self.len > 0 {
+                grown.slice_set(&t.narrow(1, 0, self.len)?, 1, 0)?;
+            }
+            *t = grown;
+        }
+        self.capacity = capacity;
+        Ok(())
+    }
+
     /// Committed rows.
     pub fn len(&self) -> usize {
         self.len

@@ -1,0 +1,133 @@
+//! A multi-turn conversation over one model: the messages so far and the KV cache of their tokens.
+//!
+//! Each turn renders the whole conversation through the chat template (as a fresh request would), so the
+//! model sees exactly what a one-shot call with the same messages sees. Only the tokens after the longest
+//! prefix that is already in the cache are prefilled: normally the new user message, or a little more where
+//! re-encoding the previous answer's text gives other tokens than were generated. With the row-invariant
+//! CPU kernels a reused cache computes the same numbers as a fresh prefill, so a turn's reply is the
+//! reply a one-shot call on the rendered conversation gives.
+
+use crate::decode::generate::{generate_in, Drafter, GenerateParams, Generation};
+use crate::model::{KvCache, Transformer};
+use crate::tokenizer::{Message, TextTokenizer};
+use anyhow::{bail, Result};
+
+pub struct Conversation<'a> {
+    model: &'a Transformer,
+    tokenizer: &'a TextTokenizer,
+    system: Option<String>,
+    messages: Vec<Message>,
+    cache: KvCache,
+    /// The tokens whose keys and values `cache` holds, in order.
+    cached: Vec<u32>,
+}
+
+/// One finished turn.
+pub struct Turn {
+    pub generation: Generation,
+    /// The reply's text (special tokens removed, trimmed), as the next turn's template sees it.
+    pub text: String,
+    /// Tokens of the rendered conversation, and how many of them came from the cache.
+    pub prompt_tokens: usize,
+    pub reused_tokens: usize,
+}
+
+impl<'a> Conversation<'a> {
+    pub fn new(model: &'a Transformer, tokenizer: &'a TextTokenizer, system: Option<String>) -> Result<Self> {
+        if !tokenizer.has_chat_template() {
+            bail!("the model has no chat template: a conversation needs one");
+        }
+        Ok(Conversation {
+            model,
+            tokenizer,
+            system,
+            messages: Vec::new(),
+            cache: model.new_cache(0)?,
+            cached: Vec::new(),
+        })
+    }
+
+    /// Forgets the messages and the cache: the next turn starts a new conversation.
+    pub fn reset(&mut self) {
+        self.messages.clear();
+        self.cached.clear();
+        self.cache.truncate(0);
+    }
+
+    /// Messages so far (the system message, if any, is not among them).
+    pub fn messages(&self) -> &[Message] {
+        &self.messages
+    }
+
+    /// The token ids of the conversation with `user` appended, ready for the assistant's reply.
+    fn render(&self, user: &str) -> Result<Vec<u32>> {
+        let mut messages: Vec<Message> = self
+            .system
+            .iter()
+            .map(|s| Message::new("system", s.clone()))
+            .collect();
+        messages.extend(self.messages.iter().cloned());
+        messages.push(Message::new("user", user));
+        let ids = self
+            .tokenizer
+            .encode(&self.tokenizer.apply_chat_template(&messages, true)?)?;
+        Ok(ids)
+    }
+
+    /// Asks `user` and streams the reply's tokens to `on_token`. The drafter is the method of this turn.
+    /// A failed turn leaves the conversation as it was before it.
+    pub fn turn(
+        &mut self,
+        user: &str,
+        drafter: &mut dyn Drafter,
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<Turn> {
+        if user.trim().is_empty() {
+            bail!("the message is empty");
+        }
+        let prompt = self.render(user)?;
+        let reused = common_prefix(&self.cached, &prompt).min(prompt.len() - 1);
+        self.cache.truncate(reused);
+        self.cached.truncate(reused);
+        let generation = match generate_in(self.model, &mut self.cache, &prompt, drafter, params, on_token) {
+            Ok(g) => g,
+            Err(e) => {
+                // The cache may hold rows of the failed turn: keep only what is known to be valid.
+                self.cache.truncate(reused);
+                return Err(e);
+            }
+        };
+        let mut history = prompt.clone();
+        history.extend_from_slice(&generation.tokens);
+        history.truncate(self.cache.len());
+        self.cached = history;
+        let text = self.tokenizer.decode(&generation.tokens)?.trim().to_string();
+        self.messages.push(Message::new("user", user));
+        self.messages.push(Message::new("assistant", text.clone()));
+        Ok(Turn {
+            generation,
+            text,
+            prompt_tokens: prompt.len(),
+            reused_tokens: reused,
+        })
+    }
+}
+
+/// Length of the longest common prefix.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::common_prefix;
+
+    #[test]
+    fn common_prefix_lengths() {
+        assert_eq!(common_prefix(&[], &[1, 2]), 0);
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2]), 2);
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 5, 3]), 1);
+        assert_eq!(common_prefix(&[4], &[1]), 0);
+    }
+}
