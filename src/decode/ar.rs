@@ -1,7 +1,7 @@
 //! Plain autoregressive decoding: the root alone, one token per model call. The reference every other
 //! strategy must reproduce token for token.
 
-use super::generate::{Draft, Drafter};
+use super::generate::{Draft, Drafter, Step};
 use super::tree::Probe;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
@@ -23,7 +23,7 @@ impl Drafter for Autoregressive {
     fn probe_inputs(&self, _: &Transformer, _: &[Probe]) -> Result<Tensor> {
         bail!("plain decoding has no probe rows")
     }
-    fn observe(&mut self, _: &Transformer, _: &[u32], _: &[Vec<f32>]) -> Result<()> {
+    fn observe(&mut self, _: &Transformer, _: &Step) -> Result<()> {
         Ok(())
     }
 }

@@ -3,7 +3,7 @@
 //! j + 1 places after that node. The masks of the deepest accepted node seed the next step's tree.
 
 use super::auto_bc::{self, AutoBudget, CostCurve};
-use super::generate::{Draft, Drafter};
+use super::generate::{Draft, Drafter, Step};
 use super::sampling::top_candidates;
 use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe, TokenTree};
 use crate::model::Transformer;
@@ -222,7 +222,8 @@ impl Drafter for Esp {
             .probe_inputs(model, probes)
     }
 
-    fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
+    fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
+        let (committed, probe_logits) = (step.committed, step.probe_logits);
         self.masks
             .as_mut()
             .expect("begin() runs before observe()")

@@ -6,7 +6,7 @@
 
 use super::sampling::{Sampler, SamplingParams};
 use super::stats::DecodeStats;
-use super::tree::{LayoutCache, Probe, TokenTree};
+use super::tree::{accept, LayoutCache, Probe, TokenTree};
 use crate::model::{BlockMask, KvCache, Transformer};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -39,16 +39,28 @@ pub trait Drafter {
     fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft;
     /// Input vectors for probe rows `[probes.len(), hidden]`.
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor>;
-    /// After a step: the tokens it committed (accepted drafts, then the bonus token), and the logits of the
-    /// probes owned by node [`Drafter::probe_owner`] (by default the deepest accepted node), ordered by
-    /// offset (empty when it had none). After prefill: the first token and the prefill probes' logits.
-    fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()>;
+    /// After each step (and after prefill) what the step did: see [`Step`].
+    fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()>;
     /// Whose probes' logits `observe` gets, given the deepest accepted node of the step (the root, 0, when
     /// nothing was accepted). ESP reads the masks of the deepest accepted node (the default); lookahead's
     /// Jacobi window belongs to the root whatever was accepted.
     fn probe_owner(&self, deepest: usize) -> usize {
         deepest
     }
+}
+
+/// What one decoding step did, as its drafter sees it.
+pub struct Step<'a> {
+    /// Accepted nodes of the verified tree, root excluded, in path order (none after prefill).
+    pub accepted: &'a [usize],
+    /// The tokens committed: the accepted drafts, then the bonus token. After prefill: the first token.
+    pub committed: &'a [u32],
+    /// Logits of the probes owned by node [`Drafter::probe_owner`] (by default the deepest accepted node),
+    /// ordered by offset; empty when it had none. After prefill: the prefill probes' logits.
+    pub probe_logits: &'a [Vec<f32>],
+    /// The loop verified the root alone instead of the drafter's proposal (it did not fit in the context
+    /// window or the cache), so `accepted` refers to no node of the proposal.
+    pub replaced: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -129,7 +141,15 @@ pub fn generate_in(
     let logits = model.logits(&hidden, &rows)?.to_vec2::<f32>()?;
     cache.truncate(prompt.len());
     let first = sampler.pick(&logits[0]);
-    drafter.observe(model, &[first], &logits[1..])?;
+    drafter.observe(
+        model,
+        &Step {
+            accepted: &[],
+            committed: &[first],
+            probe_logits: &logits[1..],
+            replaced: false,
+        },
+    )?;
     stats.prefill_seconds = t0.elapsed().as_secs_f64();
     stats.prefill_tokens = prompt.len() - reused;
 
@@ -166,7 +186,8 @@ pub fn generate_in(
         let mut draft = drafter.draft(root, &history, room);
         let mut layout = layouts.get(&draft.tree, &draft.probes);
         let fits = layout.rows <= room && layout.rel_positions.iter().all(|&r| (p0 + r as usize) < ctx);
-        if !fits {
+        let replaced = !fits;
+        if replaced {
             draft = Draft::root_only(root);
             layout = layouts.get(&draft.tree, &draft.probes);
         }
@@ -203,20 +224,13 @@ pub fn generate_in(
                 .map_while(|offset| layout.probe_row(owner, offset))
                 .collect()
         };
-        let (mut cur, mut accepted) = (0usize, Vec::new());
-        let bonus = loop {
+        let (accepted, bonus) = accept(&draft.tree, |cur| -> Result<u32> {
             let mut rows = vec![cur];
             rows.extend(probe_rows_of(drafter.probe_owner(cur)));
             logits.fetch(model, &hidden, &rows)?;
-            let target = sampler.pick(logits.row(cur));
-            match draft.tree.child_with_token(cur, target) {
-                Some(child) => {
-                    accepted.push(child);
-                    cur = child;
-                }
-                None => break target,
-            }
-        };
+            Ok(sampler.pick(logits.row(cur)))
+        })?;
+        let cur = accepted.last().copied().unwrap_or(0);
         let probe_logits: Vec<Vec<f32>> = probe_rows_of(drafter.probe_owner(cur))
             .into_iter()
             .map(|r| logits.take(r))
@@ -233,7 +247,15 @@ pub fn generate_in(
         pending.extend(accepted.iter().map(|&n| draft.tree.token(n)));
         pending.push(bonus);
         stats.record_step(pending.len(), draft.tree.len(), layout.rows);
-        drafter.observe(model, &pending, &probe_logits)?;
+        drafter.observe(
+            model,
+            &Step {
+                accepted: &accepted,
+                committed: &pending,
+                probe_logits: &probe_logits,
+                replaced,
+            },
+        )?;
         stats.bookkeeping_seconds += t_book.elapsed().as_secs_f64();
     };
     // A stop inside an accepted path leaves rows after it in the cache: keep only the history.

@@ -28,8 +28,8 @@
 //! sample matching in the shared verifier keeps it exact under sampling.
 
 use super::esp::{mask_candidates, MaskEmbedding, MaskInit};
-use super::generate::{Draft, Drafter};
-use super::ngram::{accepted_nodes, distinct_matches, insert_chain, lookup};
+use super::generate::{Draft, Drafter, Step};
+use super::ngram::{distinct_matches, insert_chain, lookup};
 use super::tree::{dynamic_tree, esp_probes, Candidates, Probe, TokenTree};
 use crate::model::Transformer;
 use anyhow::{bail, Result};
@@ -236,11 +236,6 @@ impl Hybrid {
         })
     }
 
-    /// Rows per forward pass: (k + 1) (1 + nodes).
-    pub fn block_complexity(&self) -> usize {
-        (self.cfg.masks + 1) * (1 + self.cfg.nodes)
-    }
-
     fn rate(&self, s: Source) -> f64 {
         self.rates.get(&s).copied().unwrap_or_default().get()
     }
@@ -334,11 +329,10 @@ impl Hybrid {
     }
 
     /// Counts, for every node whose parent the verifier reached, whether it was accepted.
-    fn learn(&mut self, tree: &TokenTree, infos: &[NodeInfo], committed: &[u32]) {
-        let accepted = accepted_nodes(tree, committed);
+    fn learn(&mut self, tree: &TokenTree, infos: &[NodeInfo], accepted: &[usize]) {
         let mut reached = vec![false; tree.len()];
         reached[0] = true;
-        for &a in &accepted {
+        for &a in accepted {
             reached[a] = true;
         }
         for n in 1..tree.len() {
@@ -405,18 +399,18 @@ impl Drafter for Hybrid {
             .probe_inputs(model, probes)
     }
 
-    fn observe(&mut self, model: &Transformer, committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
+    fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
         self.masks
             .as_mut()
             .expect("begin() runs before observe()")
-            .update_with_tokens(model, committed)?;
-        // Every node has masks, so empty logits mean the loop replaced the draft (no room): skip learning.
+            .update_with_tokens(model, step.committed)?;
+        // A replaced draft was not verified: nothing to learn from it.
         if let Some((tree, infos)) = self.last.take() {
-            if !probe_logits.is_empty() {
-                self.learn(&tree, &infos, committed);
+            if !step.replaced {
+                self.learn(&tree, &infos, step.accepted);
             }
         }
-        self.dists = mask_candidates(probe_logits, 2 * self.cfg.nodes + 2);
+        self.dists = mask_candidates(step.probe_logits, 2 * self.cfg.nodes + 2);
         Ok(())
     }
 }
@@ -445,7 +439,7 @@ mod tests {
         // Chain 7 -> 8 -> 9 -> 1 -> 7 (4 nodes: budget 5 caps the lookup at 5, history gives 4), then the
         // ESP siblings: 7 is the root's token (pruned), 8 merges with c1, 3 takes the last slot.
         assert_eq!(t.tokens(), &[7, 8, 9, 1, 7, 3]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 2, 3, 0]);
+        assert_eq!(t.parents(), &[0, 0, 1, 2, 3, 0]);
         // No match: ESP alone.
         let t = h.draft_simple(2, &[5, 6, 2], 3);
         assert_eq!(t.tokens(), &[2, 7, 8, 3]);
@@ -511,7 +505,7 @@ mod tests {
         let a = t.push(0, 1);
         let b = t.push(a, 2);
         let _c = t.push(b, 3);
-        let d = t.push(0, 4);
+        t.push(0, 4); // d
         let tag = |depth| Source::Pld {
             n: 1,
             later: 0,
@@ -536,9 +530,8 @@ mod tests {
                 esp_p: Some(0.25),
             },
         ];
-        let _ = d;
-        // Committed 1, then bonus 9: a accepted, b rejected, c not reached, d rejected.
-        h.learn(&t, &infos, &[1, 9]);
+        // Node a accepted (committed 1, then a bonus token): b rejected, c not reached, d rejected.
+        h.learn(&t, &infos, &[a]);
         assert_eq!(h.rates[&tag(1)].accepted, 2.0);
         assert_eq!(h.rates[&tag(2)].accepted, 1.0);
         assert_eq!(h.rates[&tag(2)].proposed, 3.0);

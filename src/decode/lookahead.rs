@@ -34,7 +34,7 @@
 //! 10/30/60 with (N, W, G) = (3, 4, 1), (4, 5, 5), (5, 8, 7); here those settings cost at most 7, 21 and
 //! 37 rows.
 
-use super::generate::{Draft, Drafter};
+use super::generate::{Draft, Drafter, Step};
 use super::ngram::{insert_chain, NgramPool};
 use super::sampling::argmax;
 use super::tree::{Probe, TokenTree};
@@ -128,10 +128,6 @@ impl Lookahead {
         })
     }
 
-    pub fn pool(&self) -> &NgramPool {
-        &self.pool
-    }
-
     /// The window for the root at absolute position `root_pos`, `len` tokens: the guesses already held for
     /// those positions, random prompt tokens for the others.
     fn window_for(&mut self, root_pos: usize, len: usize) -> Level {
@@ -211,10 +207,11 @@ impl Drafter for Lookahead {
         0
     }
 
-    fn observe(&mut self, _: &Transformer, _committed: &[u32], probe_logits: &[Vec<f32>]) -> Result<()> {
+    fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         let fed = std::mem::take(&mut self.fed);
-        // The generate loop may have dropped the window (no room left): then nothing was learnt.
-        if probe_logits.is_empty() || probe_logits.len() != fed.tokens.len() {
+        let probe_logits = step.probe_logits;
+        // The loop verified the root alone (no room left), or there was no window: nothing was learnt.
+        if step.replaced || probe_logits.is_empty() || probe_logits.len() != fed.tokens.len() {
             return Ok(());
         }
         // Window row j (position fed.start + j) predicts position fed.start + j + 1.
@@ -360,7 +357,7 @@ mod tests {
         let d = la.draft(5, &history, 100);
         // Most recent first: [6, 8] then [6, 7], sharing the node 6.
         assert_eq!(d.tree.tokens(), &[5, 6, 8, 7]);
-        assert_eq!(d.tree.shape(), vec![0, 0, 1, 1]);
+        assert_eq!(d.tree.parents(), &[0, 0, 1, 1]);
         assert_eq!(
             d.probes,
             vec![

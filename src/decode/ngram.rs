@@ -97,11 +97,6 @@ impl NgramPool {
         }
     }
 
-    /// The gram length N.
-    pub fn n(&self) -> usize {
-        self.n
-    }
-
     /// Adds one N-gram (`gram.len() == n`): key `gram[0]`, continuation `gram[1..]`.
     pub fn insert(&mut self, gram: &[u32]) {
         assert_eq!(
@@ -139,11 +134,6 @@ impl NgramPool {
             .flat_map(|l| l.iter().rev().map(|c| c.as_slice()))
     }
 
-    /// Number of first tokens with at least one continuation.
-    pub fn keys(&self) -> usize {
-        self.map.len()
-    }
-
     /// Total number of grams held.
     pub fn len(&self) -> usize {
         self.map.values().map(|l| l.len()).sum()
@@ -174,24 +164,6 @@ pub fn insert_chain(tree: &mut TokenTree, from: usize, tokens: &[u32], max_new: 
         nodes.push(cur);
     }
     nodes
-}
-
-/// The accepted nodes of `tree` for the tokens a step committed (accepted drafts, then the bonus token):
-/// the walk from the root along `committed[..len - 1]`. Stops early if a token has no child (it cannot
-/// happen for the tree the step verified).
-pub fn accepted_nodes(tree: &TokenTree, committed: &[u32]) -> Vec<usize> {
-    let mut cur = 0;
-    let mut out = Vec::new();
-    for &t in committed.iter().take(committed.len().saturating_sub(1)) {
-        match tree.child_with_token(cur, t) {
-            Some(c) => {
-                out.push(c);
-                cur = c;
-            }
-            None => break,
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -307,12 +279,11 @@ mod tests {
         p.insert(&[1, 6, 6]);
         assert_eq!(p.get(1).collect::<Vec<_>>(), vec![&[6u32, 6][..], &[2, 3][..]]);
         assert_eq!(p.get(2).count(), 0);
-        assert_eq!((p.keys(), p.len()), (2, 3));
+        assert_eq!(p.len(), 3);
         let mut q = NgramPool::new(2, 8);
         q.insert_all(&[1, 2, 1, 3, 1, 2]);
         assert_eq!(q.get(1).collect::<Vec<_>>(), vec![&[2u32][..], &[3][..]]);
         assert_eq!(q.get(2).collect::<Vec<_>>(), vec![&[1u32][..]]);
-        assert_eq!(q.n(), 2);
     }
 
     #[test]
@@ -328,15 +299,10 @@ mod tests {
         // Shares [1, 2], branches at 4.
         assert_eq!(insert_chain(&mut t, 0, &[1, 2, 4], 10), vec![1, 2, 4]);
         assert_eq!(t.tokens(), &[0, 1, 2, 3, 4]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 2, 2]);
+        assert_eq!(t.parents(), &[0, 0, 1, 2, 2]);
         // Budget: only one new node.
         assert_eq!(insert_chain(&mut t, 0, &[1, 5, 6], 1), vec![1, 5]);
         assert_eq!(t.len(), 6);
         assert_eq!(insert_chain(&mut t, 0, &[7], 0), Vec::<usize>::new());
-        // Accepted path recovery from committed tokens (drafts then the bonus).
-        assert_eq!(accepted_nodes(&t, &[1, 2, 4, 99]), vec![1, 2, 4]);
-        assert_eq!(accepted_nodes(&t, &[1, 5, 42]), vec![1, 5]);
-        assert_eq!(accepted_nodes(&t, &[42]), Vec::<usize>::new());
-        assert_eq!(accepted_nodes(&t, &[]), Vec::<usize>::new());
     }
 }

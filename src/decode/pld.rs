@@ -8,7 +8,7 @@
 //! which follows the text being produced now (a repeated list item, the current sentence of a copied
 //! passage) more closely.
 
-use super::generate::{Draft, Drafter};
+use super::generate::{Draft, Drafter, Step};
 use super::ngram;
 use super::tree::{Probe, TokenTree};
 use crate::model::Transformer;
@@ -46,11 +46,6 @@ impl Pld {
         }
         Ok(Pld { cfg })
     }
-
-    /// Rows in the forward: the root and at most `draft_len` drafts.
-    pub fn block_complexity(&self) -> usize {
-        1 + self.cfg.draft_len
-    }
 }
 
 /// The PLD chain for the end of `history` (root included) as a tree: root -> c1 -> c2 -> ...
@@ -83,7 +78,7 @@ impl Drafter for Pld {
         bail!("prompt lookup has no probe rows")
     }
 
-    fn observe(&mut self, _: &Transformer, _: &[u32], _: &[Vec<f32>]) -> Result<()> {
+    fn observe(&mut self, _: &Transformer, _: &Step) -> Result<()> {
         Ok(())
     }
 }
@@ -98,7 +93,7 @@ mod tests {
         let h = [1, 2, 3, 4, 5, 6, 2, 3, 7, 8, 2, 3];
         let t = pld_chain(3, &h, 3, 3);
         assert_eq!(t.tokens(), &[3, 7, 8, 2]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 2]);
+        assert_eq!(t.parents(), &[0, 0, 1, 2]);
         // No match: the root alone.
         assert_eq!(pld_chain(9, &[1, 2, 9], 3, 10).len(), 1);
         // The row bound of the step caps the chain.
@@ -107,7 +102,6 @@ mod tests {
         assert_eq!(draft.tree.tokens(), &[3, 7, 8]);
         assert!(draft.probes.is_empty());
         assert_eq!(d.draft(3, &h, 1).tree.len(), 1);
-        assert_eq!(d.block_complexity(), 11);
         assert!(Pld::new(PldConfig {
             max_ngram: 0,
             draft_len: 10

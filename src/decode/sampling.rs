@@ -81,10 +81,6 @@ impl Sampler {
         }
     }
 
-    pub fn params(&self) -> &SamplingParams {
-        &self.params
-    }
-
     /// Greedy argmax at temperature 0, else a draw from the filtered, tempered distribution.
     pub fn pick(&mut self, logits: &[f32]) -> u32 {
         if self.params.is_greedy() {

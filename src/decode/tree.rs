@@ -9,7 +9,7 @@
 //! This module builds:
 //! - [`TokenTree`]: the candidate tree, plus [`static_tree`] and [`dynamic_tree`] (ESP Algorithm 1) that
 //!   build it from the probes' candidate distributions;
-//! - [`accept`] / [`accept_with`]: the greedy / sample-matching walk of the verifier;
+//! - [`accept`]: the verifier's greedy / sample-matching walk down the tree;
 //! - [`BlockLayout`]: relative positions and block-local visibility of every row, and the additive attention
 //!   mask against the committed prefix; [`LayoutCache`] keeps layouts per tree shape (ESP's "static tree"
 //!   optimisation: the block-local mask of a fixed shape never changes, only the prefix columns grow);
@@ -160,46 +160,32 @@ impl TokenTree {
         self.children(n).find(|&c| self.tokens[c] == token)
     }
 
-    /// The parents vector (`shape()[0] == 0`): the tree's shape without its tokens, the key of a cached mask.
-    pub fn shape(&self) -> Vec<usize> {
-        self.parents.clone()
-    }
-
-    /// Borrowed form of [`TokenTree::shape`], for lookups that must not allocate.
+    /// The parent of every node (`parents()[0] == 0` for the root): the tree's shape without its tokens,
+    /// the key of a cached mask.
     pub fn parents(&self) -> &[usize] {
         &self.parents
     }
 }
 
-/// Greedy (or sample-matching) acceptance: `targets[n]` is the token the model picks after node `n`
-/// (argmax, or a sample). Walk from the root: while some child of the current node carries `targets[cur]`,
-/// move to it. Returns the accepted nodes (root excluded, in order) and the bonus token `targets[last]`,
-/// where `last` is the deepest accepted node (the root when nothing was accepted).
-///
-/// Only the entries of visited nodes are read.
-pub fn accept(tree: &TokenTree, targets: &[u32]) -> (Vec<usize>, u32) {
-    debug_assert!(
-        targets.len() >= tree.len(),
-        "accept: {} targets for {} nodes",
-        targets.len(),
-        tree.len()
-    );
-    accept_with(tree, |n| targets[n])
-}
-
-/// [`accept`] with the targets computed lazily: `target(n)` is called once for each node on the accepted
-/// path (root first, then each accepted node), so sampling only draws on the visited path.
-pub fn accept_with(tree: &TokenTree, mut target: impl FnMut(usize) -> u32) -> (Vec<usize>, u32) {
+/// The verifier's walk, greedy or sample-matching: `target(n)` is the token the model picks after node `n`
+/// (argmax, or a sample), computed lazily: it is called once for each node on the accepted path, root first,
+/// so logits and random draws are spent only there. While some child of the current node carries the
+/// target, move to it. Returns the accepted nodes (root excluded, in order) and the bonus token (the
+/// target after the deepest accepted node, or after the root when nothing was accepted).
+pub fn accept<E>(
+    tree: &TokenTree,
+    mut target: impl FnMut(usize) -> Result<u32, E>,
+) -> Result<(Vec<usize>, u32), E> {
     let mut accepted = Vec::new();
     let mut cur = 0;
     loop {
-        let t = target(cur);
+        let t = target(cur)?;
         match tree.child_with_token(cur, t) {
             Some(child) => {
                 accepted.push(child);
                 cur = child;
             }
-            None => return (accepted, t),
+            None => return Ok((accepted, t)),
         }
     }
 }
@@ -303,23 +289,9 @@ impl BlockLayout {
             .map(|i| self.n_nodes + i)
     }
 
-    /// Absolute position ids of the rows when the root sits at position `p0`.
-    pub fn positions(&self, p0: usize) -> Vec<u32> {
-        let p0 = p0 as u32;
-        self.rel_positions.iter().map(|&r| p0 + r).collect()
-    }
-
-    /// The additive mask of the whole block against `cached` committed rows: `[rows, cached + rows]` f32,
-    /// row-major; 0.0 where visible, `f32::NEG_INFINITY` where not. Committed prefix columns are always
-    /// visible. `additive_mask(0)` is the block-local part alone (`[rows, rows]`), e.g. to cache as a tensor
-    /// and concatenate with a zero prefix.
-    pub fn additive_mask(&self, cached: usize) -> Vec<f32> {
-        let mut out = Vec::new();
-        self.additive_mask_into(cached, &mut out);
-        out
-    }
-
-    /// [`BlockLayout::additive_mask`] into a reused buffer (cleared first; its capacity is kept).
+    /// The additive mask of the whole block against `cached` committed rows, written into `out` (cleared
+    /// first; its capacity is kept): `[rows, cached + rows]` f32, row-major; 0.0 where visible,
+    /// `f32::NEG_INFINITY` where not. Committed prefix columns are always visible.
     pub fn additive_mask_into(&self, cached: usize, out: &mut Vec<f32>) {
         let rows = self.rows;
         let width = cached + rows;
@@ -627,7 +599,7 @@ mod tests {
         assert_eq!(t.path(0), vec![0]);
         assert_eq!(t.child_with_token(0, 12), Some(2));
         assert_eq!(t.child_with_token(0, 13), None);
-        assert_eq!(t.shape(), vec![0, 0, 0, 1]);
+        assert_eq!(t.parents(), &[0, 0, 0, 1]);
     }
 
     #[test]
@@ -669,7 +641,7 @@ mod tests {
         assert_eq!(l.probe_row(0, 1), Some(3));
         assert_eq!(l.probe_row(2, 1), Some(5));
         assert_eq!(l.probe_row(2, 2), None);
-        assert_eq!(l.positions(7), vec![7, 8, 8, 8, 9, 9]);
+        assert_eq!(l.rel_positions, vec![0, 1, 1, 1, 2, 2]);
     }
 
     #[test]
@@ -679,7 +651,7 @@ mod tests {
         let d2 = cands(&[(70, 0.4), (71, 0.2)]);
         let t = static_tree(50, &[d1, d2], &[2, 1]);
         assert_eq!(t.tokens(), &[50, 60, 61, 70]);
-        assert_eq!(t.shape(), vec![0, 0, 0, 1]);
+        assert_eq!(t.parents(), &[0, 0, 0, 1]);
         let probes = esp_probes(4, 2);
         assert_eq!(
             probes,
@@ -742,7 +714,8 @@ mod tests {
         t.push(0, 102);
         let l = layout(&t, &esp_probes(3, 1));
         let ninf = f32::NEG_INFINITY;
-        let m = l.additive_mask(3);
+        let mut m = vec![1.0; 2];
+        l.additive_mask_into(3, &mut m);
         assert_eq!(m.len(), 6 * 9);
         // Rows: 3 prefix zeros, then the k=1 visibility above as 0 / -inf.
         #[rustfmt::skip]
@@ -783,36 +756,48 @@ mod tests {
     fn accept_no_acceptance() {
         let t = walk_tree();
         // The root's target 50 is no child: nothing accepted, 50 is the bonus token.
-        assert_eq!(accept(&t, &[50, 0, 0, 0, 0]), (vec![], 50));
+        assert_eq!(walk(&t, &[50, 0, 0, 0, 0]), (vec![], 50));
     }
 
     #[test]
     fn accept_full_path() {
         let t = walk_tree();
         // root -> 11 (a, node 1) -> 13 (c, node 3) -> leaf; the target after c (77) is the bonus.
-        assert_eq!(accept(&t, &[11, 13, 0, 77, 0]), (vec![1, 3], 77));
+        assert_eq!(walk(&t, &[11, 13, 0, 77, 0]), (vec![1, 3], 77));
     }
 
     #[test]
     fn accept_non_first_child() {
         let t = walk_tree();
         // root -> 12 (b, node 2, the second child) -> 14 (d, node 4) -> bonus 99.
-        assert_eq!(accept(&t, &[12, 0, 14, 0, 99]), (vec![2, 4], 99));
+        assert_eq!(walk(&t, &[12, 0, 14, 0, 99]), (vec![2, 4], 99));
         // Partial: b accepted, but b's target 15 matches no child of b.
-        assert_eq!(accept(&t, &[12, 0, 15, 0, 99]), (vec![2], 15));
+        assert_eq!(walk(&t, &[12, 0, 15, 0, 99]), (vec![2], 15));
+    }
+
+    /// The walk with every node's target known in advance.
+    fn walk(t: &TokenTree, targets: &[u32]) -> (Vec<usize>, u32) {
+        accept(t, |n| Ok::<u32, ()>(targets[n])).unwrap()
     }
 
     #[test]
-    fn accept_with_visits_only_the_path() {
+    fn accept_visits_only_the_path() {
         let t = walk_tree();
         let targets = [12, 13, 14, 0, 99];
         let mut visited = Vec::new();
-        let res = accept_with(&t, |n| {
+        let res = accept(&t, |n| {
             visited.push(n);
-            targets[n]
+            Ok::<u32, ()>(targets[n])
         });
-        assert_eq!(res, (vec![2, 4], 99));
+        assert_eq!(res, Ok((vec![2, 4], 99)));
         assert_eq!(visited, vec![0, 2, 4]);
+    }
+
+    #[test]
+    fn accept_passes_errors_on() {
+        let t = walk_tree();
+        let res = accept(&t, |n| if n == 2 { Err("no logits") } else { Ok(12) });
+        assert_eq!(res, Err("no logits"));
     }
 
     #[test]
@@ -823,7 +808,7 @@ mod tests {
         let d2 = cands(&[(7, 0.6), (9, 0.2), (3, 0.1)]);
         let t = static_tree(5, &[d1.clone(), d2.clone()], &[2, 1]);
         assert_eq!(t.tokens(), &[5, 7, 8, 9]);
-        assert_eq!(t.shape(), vec![0, 0, 0, 1]);
+        assert_eq!(t.parents(), &[0, 0, 0, 1]);
         // Branches beyond the dists: the third depth is not built.
         let t2 = static_tree(5, &[d1.clone(), d2], &[2, 1, 3]);
         assert_eq!(t2, t);
@@ -859,15 +844,15 @@ mod tests {
         let t = dynamic_tree(0, &dists, 3);
         // Two depth-2 children of "1" are chosen over the weak depth-1 sibling "2".
         assert_eq!(t.tokens(), &[0, 1, 4, 5]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 1]);
+        assert_eq!(t.parents(), &[0, 0, 1, 1]);
         let t = dynamic_tree(0, &dists, 4);
         assert_eq!(t.tokens(), &[0, 1, 4, 5, 2]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 1, 0]);
+        assert_eq!(t.parents(), &[0, 0, 1, 1, 0]);
         let t = dynamic_tree(0, &dists, 5);
         assert_eq!(t.tokens(), &[0, 1, 4, 5, 2, 6]);
         let t = dynamic_tree(0, &dists, 7);
         assert_eq!(t.tokens(), &[0, 1, 4, 5, 2, 6, 3, 4]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 1, 0, 1, 0, 4]);
+        assert_eq!(t.parents(), &[0, 0, 1, 1, 0, 1, 0, 4]);
         // Budget respected for every budget; never deeper than dists.len().
         for budget in 0..20 {
             let t = dynamic_tree(0, &dists, budget);
@@ -888,11 +873,11 @@ mod tests {
         ];
         let t = dynamic_tree(1, &dists, 2);
         assert_eq!(t.tokens(), &[1, 2, 3]);
-        assert_eq!(t.shape(), vec![0, 0, 1]);
+        assert_eq!(t.parents(), &[0, 0, 1]);
         // Budget 5: next best is 9 at depth 1 (0.01); node "9" then has children 2 and 3.
         let t = dynamic_tree(1, &dists, 5);
         assert_eq!(t.tokens(), &[1, 2, 3, 9, 2, 3]);
-        assert_eq!(t.shape(), vec![0, 0, 1, 0, 3, 3]);
+        assert_eq!(t.parents(), &[0, 0, 1, 0, 3, 3]);
     }
 
     #[test]

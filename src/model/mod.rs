@@ -17,7 +17,7 @@ pub use linear::{Linear, Weight};
 pub use load::{load_model, LoadedModel, ModelSource};
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Device, Tensor};
 
 pub struct RmsNorm {
     weight: Tensor,
@@ -318,9 +318,4 @@ pub fn causal_mask(rows: usize, cached: usize, device: &Device) -> Result<Tensor
         .flat_map(|i| (0..total).map(move |j| if j <= cached + i { 0.0 } else { f32::NEG_INFINITY }))
         .collect();
     Ok(Tensor::from_vec(data, (rows, total), device)?)
-}
-
-/// Index of the largest value of each row (ties: the first).
-pub fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
-    Ok(logits.argmax(D::Minus1)?.to_vec1::<u32>()?)
 }
