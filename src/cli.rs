@@ -1,20 +1,23 @@
-//! Command-line interface: argument parsing and wiring only.
+//! Command-line interface: clap's flags, their conversion into the library's types ([`ModelOptions`],
+//! [`Method`], the benchmark's options), and the terminal front ends (one-shot generation, the interactive
+//! conversation). Everything else is library code; nothing in the library imports this module.
 
-use crate::decode::ar::Autoregressive;
-use crate::decode::esp::{Esp, EspConfig, MaskInit, TreeShape};
-use crate::decode::generate::{generate, Drafter, GenerateParams};
-use crate::decode::hybrid::{Hybrid, HybridConfig, HybridMode};
-use crate::decode::lookahead::{Lookahead, LookaheadConfig};
-use crate::decode::pld::{Pld, PldConfig};
+use crate::bench::cost::CostOptions;
+use crate::bench::export::Format;
+use crate::bench::runner::BenchOptions;
+use crate::decode::esp::MaskInit;
+use crate::decode::generate::GenerateParams;
+use crate::decode::lookahead::LookaheadConfig;
+use crate::decode::method::{Budget, EspSpec, EspTree, HybridSpec, Masks, Method, MethodKind};
+use crate::decode::pld::PldConfig;
 use crate::decode::sampling::SamplingParams;
-use crate::decode::tree::node_budget;
-use crate::model::load::LoadOptions;
-use crate::model::{load_model, LoadedModel, ModelSource};
-use crate::tokenizer::{Message, StreamDecoder, TextTokenizer};
+use crate::session::{DeviceKind, ModelOptions, Session};
+use crate::tokenizer::StreamDecoder;
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device};
+use candle_core::DType;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use std::io::{Read, Write};
+use std::path::PathBuf;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -35,10 +38,11 @@ enum Command {
     /// Generate a reply to a prompt (the default command).
     #[command(allow_negative_numbers = true)]
     Generate(GenerateArgs),
-    /// Spec-Bench benchmark: `bench --questions FILE`, `bench report DIR`, `bench merge OUT DIR...`.
-    Bench(crate::bench::BenchArgs),
+    /// Spec-Bench benchmark: `bench [--questions FILE]`, `bench report DIR`, `bench merge OUT DIR...`,
+    /// `bench export DIR`.
+    Bench(BenchArgs),
     /// Forward cost curve: one block of R rows after C cached tokens, for a model or a named shape.
-    Cost(crate::bench::cost::CostArgs),
+    Cost(CostArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -55,6 +59,25 @@ pub struct ModelArgs {
     /// output, more memory and memory traffic; for comparisons).
     #[arg(long)]
     pub dequantize: bool,
+}
+
+impl ModelArgs {
+    pub fn options(&self) -> ModelOptions {
+        ModelOptions {
+            model: self.model.clone(),
+            device: match self.device {
+                DeviceArg::Cpu => DeviceKind::Cpu,
+                DeviceArg::Cuda => DeviceKind::Cuda,
+                DeviceArg::Metal => DeviceKind::Metal,
+            },
+            dtype: self.dtype.map(|d| match d {
+                DTypeArg::F32 => DType::F32,
+                DTypeArg::F16 => DType::F16,
+                DTypeArg::Bf16 => DType::BF16,
+            }),
+            dequantize: self.dequantize,
+        }
+    }
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,12 +106,16 @@ pub enum MethodArg {
     Hybrid,
 }
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HybridModeArg {
-    /// Every candidate source scored by its learnt acceptance, the best nodes kept.
-    Scored,
-    /// The prompt-lookup chain, then ESP's candidates fill the budget.
-    Simple,
+impl From<MethodArg> for MethodKind {
+    fn from(m: MethodArg) -> Self {
+        match m {
+            MethodArg::Ar => MethodKind::Ar,
+            MethodArg::Esp => MethodKind::Esp,
+            MethodArg::Pld => MethodKind::Pld,
+            MethodArg::Lookahead => MethodKind::Lookahead,
+            MethodArg::Hybrid => MethodKind::Hybrid,
+        }
+    }
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,15 +131,29 @@ pub enum MaskInitArg {
     Last,
 }
 
+impl From<MaskInitArg> for MaskInit {
+    fn from(a: MaskInitArg) -> Self {
+        match a {
+            MaskInitArg::Mean => MaskInit::Mean,
+            MaskInitArg::Normal => MaskInit::Normal,
+            MaskInitArg::Last => MaskInit::Last,
+        }
+    }
+}
+
+fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
+    s.parse()
+}
+
 #[derive(Args, Debug, Clone)]
 pub struct MethodArgs {
     /// Decoding method.
     #[arg(long, value_enum, default_value_t = MethodArg::Esp)]
     pub method: MethodArg,
     /// Block complexity: tokens per forward pass, masks included, (k+1)(1 + sum K_i); "auto" picks it per
-    /// step from the measured forward cost and the observed acceptance (stored as 0).
-    #[arg(long, default_value = "auto", value_parser = parse_bc)]
-    pub bc: usize,
+    /// step from the measured forward cost and the observed acceptance.
+    #[arg(long, default_value = "auto", value_parser = parse_budget)]
+    pub bc: Budget,
     /// Mask tokens per tree node (k).
     #[arg(long, default_value_t = 1)]
     pub masks: usize,
@@ -141,17 +182,44 @@ pub struct MethodArgs {
     /// lookahead: most verification candidates G per step.
     #[arg(long, default_value_t = 7)]
     pub lookahead_guesses: usize,
-    /// hybrid: how the candidate sources share the node budget.
-    #[arg(long, value_enum, default_value_t = HybridModeArg::Scored)]
-    pub hybrid_mode: HybridModeArg,
 }
 
-impl Default for MethodArgs {
-    /// The defaults of the flags above (what `probespec generate` gets without them).
-    fn default() -> Self {
-        use clap::FromArgMatches;
-        let m = MethodArgs::augment_args(clap::Command::new("defaults")).get_matches_from(["defaults"]);
-        MethodArgs::from_arg_matches(&m).expect("every method flag has a default")
+impl MethodArgs {
+    /// The method these flags describe.
+    pub fn method(&self) -> Method {
+        let masks = Masks {
+            count: self.masks,
+            init: self.mask_init.into(),
+            lambda: self.mask_lambda,
+        };
+        let lookup = PldConfig {
+            max_ngram: self.ngram,
+            draft_len: self.draft_len,
+        };
+        match self.method {
+            MethodArg::Ar => Method::Ar,
+            MethodArg::Esp => Method::Esp(EspSpec {
+                masks,
+                budget: self.bc,
+                tree: match (&self.branches, self.tree) {
+                    (Some(b), _) => EspTree::Static(Some(b.clone())),
+                    (None, TreeArg::Static) => EspTree::Static(None),
+                    (None, TreeArg::Dynamic) => EspTree::Dynamic,
+                },
+            }),
+            MethodArg::Pld => Method::Pld(lookup),
+            MethodArg::Lookahead => Method::Lookahead(LookaheadConfig {
+                window: self.lookahead_window,
+                ngram: self.lookahead_ngram,
+                guesses: self.lookahead_guesses,
+                seed: 0,
+            }),
+            MethodArg::Hybrid => Method::Hybrid(HybridSpec {
+                masks,
+                budget: self.bc,
+                lookup,
+            }),
+        }
     }
 }
 
@@ -185,6 +253,178 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// Print the prompt as the model will read it (after the chat template) and exit.
+    #[arg(long)]
+    pub print_prompt: bool,
+}
+
+/// `probespec bench`: run a benchmark (the flags), or `report` / `merge` / `export` existing runs.
+#[derive(Args, Debug, Clone)]
+#[command(args_conflicts_with_subcommands = true)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub action: Option<BenchAction>,
+    #[command(flatten)]
+    pub run: BenchRunArgs,
+}
+
+#[derive(Subcommand, Debug, Clone)]
+pub enum BenchAction {
+    /// Re-render summary.json, table.md and chart.svg of DIR from its records, and print the table.
+    Report {
+        /// An output folder of `probespec bench`.
+        dir: PathBuf,
+    },
+    /// Join the records of shard folders (`--shard I/N` runs) into OUT, then render it.
+    Merge {
+        /// Folder for the merged run (created; must not hold records of another run).
+        out: PathBuf,
+        /// Shard output folders.
+        #[arg(required = true, num_args = 1..)]
+        dirs: Vec<PathBuf>,
+    },
+    /// Write DIR's records in another tool's format: `--format spec-bench` gives one model-answer file
+    /// per configuration, for Spec-Bench's `evaluation/speed.py`.
+    Export {
+        /// An output folder of `probespec bench`.
+        dir: PathBuf,
+        #[arg(long, value_enum, default_value_t = FormatArg::SpecBench)]
+        format: FormatArg,
+        /// Folder for the files (default: DIR/spec-bench).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FormatArg {
+    /// Spec-Bench's model-answer JSON lines, one file per configuration.
+    SpecBench,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchRunArgs {
+    /// Question file: JSON lines {"question_id": int, "category": str, "turns": [str, ...]}, as Spec-Bench's
+    /// question.jsonl. Default: Spec-Bench's own 480 questions, built into the binary.
+    #[arg(long)]
+    pub questions: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Methods to compare; ar is the reference of speedups and of the lossless check.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MethodArg::Ar, MethodArg::Esp])]
+    pub methods: Vec<MethodArg>,
+    /// Block complexities to try for esp and hybrid (one configuration each, times --masks); "auto" for esp.
+    #[arg(long, value_delimiter = ',', default_values = ["30"], value_parser = parse_budget)]
+    pub bc: Vec<Budget>,
+    /// Mask counts (k) to try for esp and hybrid.
+    #[arg(long, value_delimiter = ',', default_values_t = [1])]
+    pub masks: Vec<usize>,
+    /// ESP tree shape, for every ESP configuration.
+    #[arg(long, value_enum, default_value_t = TreeArg::Dynamic)]
+    pub tree: TreeArg,
+    #[arg(long, value_enum, default_value_t = MaskInitArg::Mean)]
+    pub mask_init: MaskInitArg,
+    /// ESP mask update rate.
+    #[arg(long, default_value_t = 0.1)]
+    pub mask_lambda: f32,
+    /// Spec-Bench's limit.
+    #[arg(long, default_value_t = 1024)]
+    pub max_new_tokens: usize,
+    /// Keep only these categories or groups (e.g. writing,qa or mt_bench).
+    #[arg(long, value_delimiter = ',')]
+    pub categories: Vec<String>,
+    /// Keep the first N questions of each category.
+    #[arg(long)]
+    pub limit_per_category: Option<usize>,
+    /// Output folder; a folder with records is resumed.
+    #[arg(long, default_value = "bench-out")]
+    pub out: PathBuf,
+    /// Run the questions at index % N == I of the selection (I in 0..N); join shards with `bench merge`.
+    #[arg(long, value_name = "I/N", value_parser = crate::bench::questions::parse_shard)]
+    pub shard: Option<(usize, usize)>,
+    /// Unrecorded runs of the first question by every configuration before measuring (Spec-Bench: 3).
+    #[arg(long, default_value_t = 3)]
+    pub warmup: usize,
+    /// System message for the chat template.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Seed of drafters that draw random numbers (--mask-init normal).
+    #[arg(long, default_value_t = 299792458)]
+    pub seed: u64,
+}
+
+impl BenchRunArgs {
+    pub fn options(&self) -> BenchOptions {
+        BenchOptions {
+            questions: self.questions.clone(),
+            model: self.model.options(),
+            methods: self.methods.iter().map(|&m| m.into()).collect(),
+            bc: self.bc.clone(),
+            masks: self.masks.clone(),
+            static_tree: self.tree == TreeArg::Static,
+            mask_init: self.mask_init.into(),
+            mask_lambda: self.mask_lambda,
+            max_new_tokens: self.max_new_tokens,
+            categories: self.categories.clone(),
+            limit_per_category: self.limit_per_category,
+            out: self.out.clone(),
+            shard: self.shard,
+            warmup: self.warmup,
+            system: self.system.clone(),
+            seed: self.seed,
+        }
+    }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct CostArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Random weights of a published shape instead of a checkpoint: llama3-8b, qwen3-8b, smollm2-135m.
+    #[arg(long, conflicts_with = "model")]
+    pub shape: Option<String>,
+    /// Block sizes (rows per forward pass).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
+    pub rows: Vec<usize>,
+    /// Cached tokens before the block.
+    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+    pub cache: Vec<usize>,
+    /// Timed runs per point (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl CostArgs {
+    pub fn options(&self) -> CostOptions {
+        CostOptions {
+            model: self.model.options(),
+            shape: self.shape.clone(),
+            rows: self.rows.clone(),
+            cache: self.cache.clone(),
+            repeats: self.repeats,
+            json: self.json,
+        }
+    }
+}
+
+fn run_bench(b: &BenchArgs) -> Result<()> {
+    match &b.action {
+        None => crate::bench::runner::run_bench(&b.run.options()),
+        Some(BenchAction::Report { dir }) => crate::bench::report_dir(dir),
+        Some(BenchAction::Merge { out, dirs }) => crate::bench::merge(out, dirs),
+        Some(BenchAction::Export { dir, format, out }) => {
+            let format = match format {
+                FormatArg::SpecBench => Format::SpecBench,
+            };
+            for path in crate::bench::export_dir(dir, format, out.as_deref())? {
+                println!("{}", path.display());
+            }
+            Ok(())
+        }
+    }
 }
 
 /// Entry point: returns the process exit code. Errors are one line on stderr.
@@ -204,8 +444,8 @@ pub fn main() -> i32 {
     };
     let result = match cli.command {
         Some(Command::Generate(args)) => run_generate(&args),
-        Some(Command::Bench(args)) => crate::bench::run(&args),
-        Some(Command::Cost(args)) => crate::bench::cost::run(&args),
+        Some(Command::Bench(args)) => run_bench(&args),
+        Some(Command::Cost(args)) => crate::bench::cost::run(&args.options()),
         None => run_generate(&cli.generate),
     };
     match result {
@@ -215,147 +455,6 @@ pub fn main() -> i32 {
             1
         }
     }
-}
-
-pub fn select_device(d: DeviceArg) -> Result<Device> {
-    match d {
-        DeviceArg::Cpu => Ok(Device::Cpu),
-        DeviceArg::Cuda => {
-            if !candle_core::utils::cuda_is_available() {
-                bail!("CUDA is not available: this binary was built without the `cuda` feature or no GPU was found");
-            }
-            Ok(Device::new_cuda(0)?)
-        }
-        DeviceArg::Metal => {
-            if !candle_core::utils::metal_is_available() {
-                bail!("Metal is not available: this binary was built without the `metal` feature");
-            }
-            Ok(Device::new_metal(0)?)
-        }
-    }
-}
-
-/// The dtype asked for, or the device's default: f32 on the CPU, bf16 on a GPU.
-pub fn select_dtype(d: Option<DTypeArg>, device: &Device) -> DType {
-    match d {
-        Some(DTypeArg::F32) => DType::F32,
-        Some(DTypeArg::F16) => DType::F16,
-        Some(DTypeArg::Bf16) => DType::BF16,
-        None if device.is_cpu() => DType::F32,
-        None => DType::BF16,
-    }
-}
-
-pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
-    let device = select_device(args.device)?;
-    let dtype = select_dtype(args.dtype, &device);
-    let source = ModelSource::resolve(args.model.as_deref())?;
-    load_model(
-        &source,
-        &LoadOptions {
-            device,
-            dtype,
-            dequantize: args.dequantize,
-        },
-    )
-}
-
-/// Builds the drafter a method's flags describe.
-pub fn make_drafter(m: &MethodArgs, seed: u64) -> Result<Box<dyn Drafter>> {
-    Ok(match m.method {
-        MethodArg::Ar => Box::new(Autoregressive),
-        MethodArg::Esp => {
-            if !(0.0..=1.0).contains(&m.mask_lambda) {
-                bail!("--mask-lambda must be in [0, 1] (got {})", m.mask_lambda);
-            }
-            let tree = match (&m.branches, m.tree) {
-                (Some(b), _) => TreeShape::Static { branches: b.clone() },
-                (None, TreeArg::Dynamic) if m.bc == BC_AUTO => TreeShape::Auto,
-                (None, TreeArg::Dynamic) => TreeShape::Dynamic { budget: budget(m)? },
-                (None, TreeArg::Static) => TreeShape::Static {
-                    branches: default_branches(budget(m)?, m.masks),
-                },
-            };
-            let init = mask_init(m.mask_init);
-            Box::new(Esp::new(EspConfig {
-                masks: m.masks,
-                tree,
-                lambda: m.mask_lambda,
-                init,
-                seed,
-            })?)
-        }
-        MethodArg::Pld => Box::new(Pld::new(PldConfig {
-            max_ngram: m.ngram,
-            draft_len: m.draft_len,
-        })?),
-        MethodArg::Lookahead => Box::new(Lookahead::new(LookaheadConfig {
-            window: m.lookahead_window,
-            ngram: m.lookahead_ngram,
-            guesses: m.lookahead_guesses,
-            seed,
-        })?),
-        MethodArg::Hybrid => {
-            if !(0.0..=1.0).contains(&m.mask_lambda) {
-                bail!("--mask-lambda must be in [0, 1] (got {})", m.mask_lambda);
-            }
-            let mut c = HybridConfig::new(m.masks, budget(m)?);
-            c.max_ngram = m.ngram;
-            c.draft_len = m.draft_len;
-            c.lambda = m.mask_lambda;
-            c.init = mask_init(m.mask_init);
-            c.seed = seed;
-            c.mode = match m.hybrid_mode {
-                HybridModeArg::Scored => HybridMode::Scored,
-                HybridModeArg::Simple => HybridMode::Simple,
-            };
-            Box::new(Hybrid::new(c)?)
-        }
-    })
-}
-
-fn mask_init(a: MaskInitArg) -> MaskInit {
-    match a {
-        MaskInitArg::Mean => MaskInit::Mean,
-        MaskInitArg::Normal => MaskInit::Normal,
-        MaskInitArg::Last => MaskInit::Last,
-    }
-}
-
-/// `--bc` value: a number, or "auto" ([`BC_AUTO`]).
-pub fn parse_bc(s: &str) -> std::result::Result<usize, String> {
-    match s {
-        "auto" => Ok(BC_AUTO),
-        _ => match s.parse::<usize>() {
-            Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!(
-                "'{s}' is not a block complexity (a positive number or 'auto')"
-            )),
-        },
-    }
-}
-
-/// The stored value of `--bc auto`.
-pub const BC_AUTO: usize = 0;
-
-fn budget(m: &MethodArgs) -> Result<usize> {
-    if !(1..=3).contains(&m.masks) {
-        bail!("--masks must be 1, 2 or 3 (got {})", m.masks);
-    }
-    // Only ESP's dynamic tree has an auto policy; elsewhere "auto" (the default) means the paper's BC 30.
-    let bc = if m.bc == BC_AUTO { 30 } else { m.bc };
-    node_budget(bc, m.masks).map_err(|e| anyhow::anyhow!(e))
-}
-
-/// A static shape for a node budget: the paper's proportions (BC 30, k=2: [7, 2]; BC 60, k=2: [15, 4]).
-pub fn default_branches(budget: usize, k: usize) -> Vec<usize> {
-    if k == 1 || budget < k {
-        return vec![budget.max(1)];
-    }
-    let deeper = ((budget as f32 / 5.0).round() as usize).max(1);
-    let mut b = vec![budget.saturating_sub(deeper * (k - 1)).max(1)];
-    b.extend(std::iter::repeat_n(deeper, k - 1));
-    b
 }
 
 /// The prompt text: the argument, or stdin when absent or "-".
@@ -372,34 +471,6 @@ fn read_prompt(arg: Option<&str>) -> Result<String> {
             })
         }
     }
-}
-
-/// Prompt text -> token ids, through the chat template unless disabled.
-pub fn encode_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat: bool) -> Result<Vec<u32>> {
-    if text.trim().is_empty() {
-        bail!("the prompt is empty");
-    }
-    let rendered = if chat {
-        let mut messages = Vec::new();
-        if let Some(s) = system {
-            messages.push(Message {
-                role: "system".into(),
-                content: s.into(),
-            });
-        }
-        messages.push(Message {
-            role: "user".into(),
-            content: text.into(),
-        });
-        tok.apply_chat_template(&messages, true)?
-    } else {
-        text.to_string()
-    };
-    let ids = tok.encode(&rendered)?;
-    if ids.is_empty() {
-        bail!("the prompt is empty after tokenisation");
-    }
-    Ok(ids)
 }
 
 fn check_sampling(a: &GenerateArgs) -> Result<SamplingParams> {
@@ -426,23 +497,29 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
         return run_chat(a);
     }
     let sampling = check_sampling(a)?;
-    let mut drafter = make_drafter(&a.method, a.seed)?;
+    let method = a.method.method();
+    method.validate()?;
     let text = read_prompt(a.prompt.as_deref())?;
     if text.trim().is_empty() {
         bail!("the prompt is empty");
     }
-    let LoadedModel { model, tokenizer, .. } = load(&a.model)?;
-    let prompt = encode_prompt(&tokenizer, &text, a.system.as_deref(), !a.no_chat_template)?;
+    let session = Session::load(&a.model.options())?;
+    if a.print_prompt {
+        let text = session.render_prompt(&text, a.system.as_deref(), !a.no_chat_template)?;
+        print!("{text}");
+        return Ok(());
+    }
+    let prompt = session.encode_prompt(&text, a.system.as_deref(), !a.no_chat_template)?;
     let params = GenerateParams {
         max_new_tokens: a.max_new_tokens,
         sampling,
-        stop_tokens: tokenizer.stop_tokens().to_vec(),
+        stop_tokens: session.stop_tokens(),
     };
-    let mut stream = StreamDecoder::new(&tokenizer);
+    let mut stream = StreamDecoder::new(&session.tokenizer);
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     let json = a.json;
-    let result = generate(&model, &prompt, drafter.as_mut(), &params, &mut |t| {
+    let result = session.generate(&prompt, &method, &params, &mut |t| {
         if !json {
             if let Some(s) = stream.push(t)? {
                 out.write_all(s.as_bytes())?;
@@ -462,7 +539,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     };
     if json {
         let v = serde_json::json!({
-            "text": tokenizer.decode(&g.tokens)?,
+            "text": session.tokenizer.decode(&g.tokens)?,
             "token_ids": g.tokens,
             "prompt_token_ids": prompt,
             "finish_reason": g.finish_reason,
@@ -484,22 +561,23 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
 fn run_chat(a: &GenerateArgs) -> Result<()> {
     use rustyline::error::ReadlineError;
     let sampling = check_sampling(a)?;
-    make_drafter(&a.method, a.seed)?;
+    let method = a.method.method();
+    method.validate()?;
     if a.no_chat_template {
         bail!("--no-chat-template needs a prompt: the interactive conversation uses the chat template");
     }
-    let loaded = load(&a.model)?;
+    let loaded = Session::load(&a.model.options())?;
     let params = GenerateParams {
         max_new_tokens: a.max_new_tokens,
         sampling,
-        stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
+        stop_tokens: loaded.stop_tokens(),
     };
     let mut chat = crate::chat::Conversation::new(&loaded.model, &loaded.tokenizer, a.system.clone())?;
     let mut editor = rustyline::DefaultEditor::new().context("cannot open the terminal for input")?;
     eprintln!(
         "{} | {} | /exit or Ctrl-D to quit, /reset to start over",
         loaded.description,
-        method_label(&a.method)
+        method_label(&method)
     );
     let stdout = std::io::stdout();
     loop {
@@ -530,7 +608,7 @@ fn run_chat(a: &GenerateArgs) -> Result<()> {
             _ => {}
         }
         let _ = editor.add_history_entry(text);
-        let mut drafter = make_drafter(&a.method, a.seed)?;
+        let mut drafter = method.drafter(a.seed)?;
         let mut stream = StreamDecoder::new(&loaded.tokenizer);
         let mut out = stdout.lock();
         let turn = chat.turn(text, drafter.as_mut(), &params, &mut |t| {
@@ -570,15 +648,9 @@ fn run_chat(a: &GenerateArgs) -> Result<()> {
 }
 
 /// "esp, bc auto" and the like, for the conversation's banner.
-fn method_label(m: &MethodArgs) -> String {
-    let name = m
-        .method
-        .to_possible_value()
-        .map(|v| v.get_name().to_string())
-        .unwrap_or_default();
-    match m.method {
-        MethodArg::Esp | MethodArg::Hybrid if m.bc == BC_AUTO => format!("{name}, bc auto"),
-        MethodArg::Esp | MethodArg::Hybrid => format!("{name}, bc {}", m.bc),
-        _ => name,
+fn method_label(m: &Method) -> String {
+    match m.budget() {
+        Some(b) => format!("{}, bc {b}", m.kind()),
+        None => m.kind().to_string(),
     }
 }

@@ -2,12 +2,21 @@
 //!
 //! Mask tokens (vectors made from the mean of the prompt's embeddings) are appended to the input; their
 //! logits propose future tokens, which form a token tree verified in one tree-attention forward pass.
-//! Output is token-identical to greedy decoding.
+//! Output is token-identical to greedy decoding. Module map: docs/ARCHITECTURE.md.
 
+/// The Spec-Bench runner, records, reports and export; the forward cost curve.
 pub mod bench;
+/// Multi-turn conversations that reuse the KV cache of earlier turns.
 pub mod chat;
+/// Command-line flags converted into library types, and the terminal front ends (used by the binary).
 pub mod cli;
+/// The one decoding loop, token trees and their masks, the drafters, and method specs.
 pub mod decode;
+/// CPU compute kernels whose results do not depend on the block size (row-invariant matmul, attention).
 pub mod kernels;
+/// Checkpoints in (HF folders, GGUF, hub ids); the transformer forward: positions + mask + KV cache in, logits out.
 pub mod model;
+/// A loaded model ready to answer: device, dtype, model, tokenizer, prompt encoding.
+pub mod session;
+/// Text to token ids and back, chat templates, streaming detokenisation.
 pub mod tokenizer;

@@ -6,32 +6,26 @@
 //! (`--shape llama3-8b`: the cost depends on shapes, not values), on any device and dtype, and prints
 //! the median of `--repeats` runs per point and the ratio to one row.
 
-use crate::cli::{load, select_device, select_dtype, ModelArgs};
 use crate::decode::auto_bc::time_step;
 use crate::model::synthetic::{random_model, shape_config};
 use crate::model::{BlockMask, KvCache, Transformer};
+use crate::session::{ModelOptions, Session};
 use anyhow::{bail, Result};
-use clap::Args;
 use std::time::Instant;
 
-#[derive(Args, Debug, Clone)]
-pub struct CostArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Random weights of a published shape instead of a checkpoint: llama3-8b, qwen3-8b, smollm2-135m.
-    #[arg(long, conflicts_with = "model")]
+/// What `probespec cost` measures.
+#[derive(Debug, Clone)]
+pub struct CostOptions {
+    pub model: ModelOptions,
+    /// Random weights of a published shape (llama3-8b, qwen3-8b, smollm2-135m) instead of a checkpoint.
     pub shape: Option<String>,
     /// Block sizes (rows per forward pass).
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     pub rows: Vec<usize>,
     /// Cached tokens before the block.
-    #[arg(long, value_delimiter = ',', default_value = "256,1024")]
     pub cache: Vec<usize>,
     /// Timed runs per point (the median is reported).
-    #[arg(long, default_value_t = 5)]
     pub repeats: usize,
     /// One JSON object instead of the table.
-    #[arg(long)]
     pub json: bool,
 }
 
@@ -46,7 +40,7 @@ pub struct CostPoint {
     pub ratio: f64,
 }
 
-pub fn run(a: &CostArgs) -> Result<()> {
+pub fn run(a: &CostOptions) -> Result<()> {
     if a.rows.is_empty() || a.rows.contains(&0) {
         bail!("--rows must list block sizes of at least 1");
     }
@@ -58,8 +52,8 @@ pub fn run(a: &CostArgs) -> Result<()> {
     }
     let (model, name) = match &a.shape {
         Some(shape) => {
-            let device = select_device(a.model.device)?;
-            let dtype = select_dtype(a.model.dtype, &device);
+            let device = a.model.device.device()?;
+            let dtype = a.model.dtype_on(&device);
             let t = Instant::now();
             let m = random_model(shape_config(shape)?, &device, dtype)?;
             eprintln!(
@@ -69,8 +63,8 @@ pub fn run(a: &CostArgs) -> Result<()> {
             (m, format!("{shape} (random weights)"))
         }
         None => {
-            let l = load(&a.model)?;
-            (l.model, l.description)
+            let s = Session::load(&a.model)?;
+            (s.model, s.description)
         }
     };
     let need = a.cache.iter().max().unwrap() + a.rows.iter().max().unwrap();

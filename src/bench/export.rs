@@ -10,12 +10,11 @@
 
 use super::records::{keep_complete, Record};
 use anyhow::{bail, Context, Result};
-use clap::ValueEnum;
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
     /// Spec-Bench's model-answer JSON lines, one file per configuration.
     SpecBench,
@@ -103,7 +102,7 @@ mod tests {
             turn,
             turns,
             config: config.into(),
-            method: config.into(),
+            method: crate::decode::method::MethodKind::Ar,
             bc: None,
             masks: None,
             prompt_tokens: 3,
@@ -115,7 +114,7 @@ mod tests {
             prefill_seconds: 0.0,
             wall_seconds: wall,
             tokens: vec![7; committed + 1],
-            finish_reason: "max_new_tokens".into(),
+            finish_reason: crate::decode::generate::FinishReason::MaxNewTokens,
             accept_lengths: accept,
             text: Some(format!("answer {q}.{turn}")),
             text_tokens: Some(3),

@@ -23,9 +23,7 @@ pub mod records;
 pub mod report;
 pub mod runner;
 
-use crate::cli::{MaskInitArg, MethodArg, ModelArgs, TreeArg};
 use anyhow::{bail, Context, Result};
-use clap::{Args, Subcommand};
 use records::{read_records, write_atomic, write_records, Record, RunInfo, RECORDS_FILE};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -34,114 +32,18 @@ pub const SUMMARY_FILE: &str = "summary.json";
 pub const TABLE_FILE: &str = "table.md";
 pub const CHART_FILE: &str = "chart.svg";
 
-/// `probespec bench`: run a benchmark (the flags), or `report` / `merge` existing runs.
-#[derive(Args, Debug, Clone)]
-#[command(args_conflicts_with_subcommands = true)]
-pub struct BenchArgs {
-    #[command(subcommand)]
-    pub action: Option<BenchAction>,
-    #[command(flatten)]
-    pub run: BenchRunArgs,
-}
-
-#[derive(Subcommand, Debug, Clone)]
-pub enum BenchAction {
-    /// Re-render summary.json, table.md and chart.svg of DIR from its records, and print the table.
-    Report {
-        /// An output folder of `probespec bench`.
-        dir: PathBuf,
-    },
-    /// Join the records of shard folders (`--shard I/N` runs) into OUT, then render it.
-    Merge {
-        /// Folder for the merged run (created; must not hold records of another run).
-        out: PathBuf,
-        /// Shard output folders.
-        #[arg(required = true, num_args = 1..)]
-        dirs: Vec<PathBuf>,
-    },
-    /// Write DIR's records in another tool's format: `--format spec-bench` gives one model-answer file
-    /// per configuration, for Spec-Bench's `evaluation/speed.py`.
-    Export {
-        /// An output folder of `probespec bench`.
-        dir: PathBuf,
-        #[arg(long, value_enum, default_value_t = export::Format::SpecBench)]
-        format: export::Format,
-        /// Folder for the files (default: DIR/spec-bench).
-        #[arg(long)]
-        out: Option<PathBuf>,
-    },
-}
-
-#[derive(Args, Debug, Clone)]
-pub struct BenchRunArgs {
-    /// Question file: JSON lines {"question_id": int, "category": str, "turns": [str, ...]}, as Spec-Bench's
-    /// question.jsonl. Default: Spec-Bench's own 480 questions, built into the binary.
-    #[arg(long)]
-    pub questions: Option<PathBuf>,
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Methods to compare; ar is the reference of speedups and of the lossless check.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MethodArg::Ar, MethodArg::Esp])]
-    pub methods: Vec<MethodArg>,
-    /// Block complexities to try for esp and hybrid (one configuration each, times --masks); "auto" for esp.
-    #[arg(long, value_delimiter = ',', default_values = ["30"], value_parser = crate::cli::parse_bc)]
-    pub bc: Vec<usize>,
-    /// Mask counts (k) to try for esp and hybrid.
-    #[arg(long, value_delimiter = ',', default_values_t = [1])]
-    pub masks: Vec<usize>,
-    /// ESP tree shape, for every ESP configuration.
-    #[arg(long, value_enum, default_value_t = TreeArg::Dynamic)]
-    pub tree: TreeArg,
-    #[arg(long, value_enum, default_value_t = MaskInitArg::Mean)]
-    pub mask_init: MaskInitArg,
-    /// ESP mask update rate.
-    #[arg(long, default_value_t = 0.1)]
-    pub mask_lambda: f32,
-    /// Spec-Bench's limit.
-    #[arg(long, default_value_t = 1024)]
-    pub max_new_tokens: usize,
-    /// Keep only these categories or groups (e.g. writing,qa or mt_bench).
-    #[arg(long, value_delimiter = ',')]
-    pub categories: Vec<String>,
-    /// Keep the first N questions of each category.
-    #[arg(long)]
-    pub limit_per_category: Option<usize>,
-    /// Output folder; a folder with records is resumed.
-    #[arg(long, default_value = "bench-out")]
-    pub out: PathBuf,
-    /// Run the questions at index % N == I of the selection (I in 0..N); join shards with `bench merge`.
-    #[arg(long, value_name = "I/N", value_parser = questions::parse_shard)]
-    pub shard: Option<(usize, usize)>,
-    /// Unrecorded runs of the first question by every configuration before measuring (Spec-Bench: 3).
-    #[arg(long, default_value_t = 3)]
-    pub warmup: usize,
-    /// System message for the chat template.
-    #[arg(long)]
-    pub system: Option<String>,
-    /// Seed of drafters that draw random numbers (--mask-init normal).
-    #[arg(long, default_value_t = 299792458)]
-    pub seed: u64,
-}
-
-/// Runs `probespec bench ...`.
-pub fn run(args: &BenchArgs) -> Result<()> {
-    match &args.action {
-        None => runner::run_bench(&args.run),
-        Some(BenchAction::Report { dir }) => report_dir(dir),
-        Some(BenchAction::Merge { out, dirs }) => merge(out, dirs),
-        Some(BenchAction::Export { dir, format, out }) => {
-            read_run(dir)?;
-            let file = read_records(&dir.join(RECORDS_FILE))?;
-            if file.records.is_empty() {
-                bail!("{} has no records", dir.join(RECORDS_FILE).display());
-            }
-            let out = out.clone().unwrap_or_else(|| dir.join("spec-bench"));
-            for path in export::write(*format, &file.records, &out)? {
-                println!("{}", path.display());
-            }
-            Ok(())
-        }
+/// `bench export DIR`: writes DIR's records in `format` into `out` (default: DIR/spec-bench); returns the
+/// files written.
+pub fn export_dir(dir: &Path, format: export::Format, out: Option<&Path>) -> Result<Vec<PathBuf>> {
+    read_run(dir)?;
+    let file = read_records(&dir.join(RECORDS_FILE))?;
+    if file.records.is_empty() {
+        bail!("{} has no records", dir.join(RECORDS_FILE).display());
     }
+    let out = out
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| dir.join("spec-bench"));
+    export::write(format, &file.records, &out)
 }
 
 /// Writes summary.json, table.md and chart.svg into `dir` and returns the table.
@@ -169,7 +71,7 @@ fn read_run(dir: &Path) -> Result<RunInfo> {
 }
 
 /// `bench report DIR`.
-fn report_dir(dir: &Path) -> Result<()> {
+pub fn report_dir(dir: &Path) -> Result<()> {
     let run = read_run(dir)?;
     let file = read_records(&dir.join(RECORDS_FILE))?;
     if file.records.is_empty() {
@@ -181,7 +83,7 @@ fn report_dir(dir: &Path) -> Result<()> {
 }
 
 /// `bench merge OUT DIR...`.
-fn merge(out: &Path, dirs: &[PathBuf]) -> Result<()> {
+pub fn merge(out: &Path, dirs: &[PathBuf]) -> Result<()> {
     let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf());
     let mut merged: Option<RunInfo> = None;
     let mut records: Vec<Record> = Vec::new();

@@ -6,6 +6,8 @@
 //! line. Resuming reads the file back, drops that line and any question × configuration whose turns are
 //! not all there (turn 2 depends on turn 1's answer, so a half-done conversation is redone whole).
 
+use crate::decode::generate::FinishReason;
+use crate::decode::method::{Budget, MethodKind};
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -26,8 +28,8 @@ pub struct Record {
     /// Number of turns of the question, so completeness can be judged without the question file.
     pub turns: usize,
     pub config: String,
-    pub method: String,
-    pub bc: Option<usize>,
+    pub method: MethodKind,
+    pub bc: Option<Budget>,
     pub masks: Option<usize>,
     pub prompt_tokens: usize,
     pub new_tokens: usize,
@@ -42,7 +44,7 @@ pub struct Record {
     /// Time of the whole generate call, prefill included: what Spec-Bench times.
     pub wall_seconds: f64,
     pub tokens: Vec<u32>,
-    pub finish_reason: String,
+    pub finish_reason: FinishReason,
     /// Tokens committed by each decoding call (Spec-Bench's `accept_lengths`; absent in older records).
     #[serde(default)]
     pub accept_lengths: Vec<usize>,
@@ -293,7 +295,7 @@ mod tests {
             turn,
             turns,
             config: config.into(),
-            method: config.into(),
+            method: MethodKind::Ar,
             bc: None,
             masks: None,
             prompt_tokens: 3,
@@ -305,7 +307,7 @@ mod tests {
             prefill_seconds: 0.1,
             wall_seconds: 0.2,
             tokens: vec![5, 6],
-            finish_reason: "max_new_tokens".into(),
+            finish_reason: FinishReason::MaxNewTokens,
             accept_lengths: vec![1],
             text: None,
             text_tokens: None,

@@ -16,6 +16,7 @@
 
 use super::questions::{group_title, sort_groups};
 use super::records::{keep_complete, Record, RunInfo};
+use crate::decode::method::{Budget, MethodKind};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 
@@ -48,8 +49,8 @@ pub struct GroupStats {
 #[derive(Debug, Clone, Serialize)]
 pub struct ConfigSummary {
     pub config: String,
-    pub method: String,
-    pub bc: Option<usize>,
+    pub method: MethodKind,
+    pub bc: Option<Budget>,
     pub masks: Option<usize>,
     /// Per group, `overall` included.
     pub groups: BTreeMap<String, GroupStats>,
@@ -240,7 +241,7 @@ pub fn compute(records: Vec<Record>) -> Report {
         }
         configs.push(ConfigSummary {
             config: c.clone(),
-            method: first.method.clone(),
+            method: first.method,
             bc: first.bc,
             masks: first.masks,
             groups: stats,
@@ -386,7 +387,11 @@ mod tests {
             turn,
             turns,
             config: config.into(),
-            method: config.split('-').next().unwrap().into(),
+            method: if config == "ar" {
+                MethodKind::Ar
+            } else {
+                MethodKind::Esp
+            },
             bc: None,
             masks: None,
             prompt_tokens: 4,
@@ -398,7 +403,7 @@ mod tests {
             prefill_seconds: 0.0,
             wall_seconds: wall,
             tokens,
-            finish_reason: "max_new_tokens".into(),
+            finish_reason: crate::decode::generate::FinishReason::MaxNewTokens,
             accept_lengths: Vec::new(),
             text: None,
             text_tokens: None,

@@ -10,79 +10,107 @@ use super::records::{
     complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
     Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
 };
-use super::BenchRunArgs;
-use crate::cli::{encode_prompt, load, make_drafter, MethodArg, MethodArgs};
+use crate::decode::esp::MaskInit;
 use crate::decode::generate::{generate, GenerateParams};
+use crate::decode::lookahead::LookaheadConfig;
+use crate::decode::method::{Budget, EspSpec, EspTree, HybridSpec, Masks, Method, MethodKind};
+use crate::decode::pld::PldConfig;
 use crate::decode::sampling::SamplingParams;
 use crate::model::Transformer;
+use crate::session::{encode_prompt, DeviceKind, ModelOptions, Session};
 use crate::tokenizer::{Message, TextTokenizer};
 use anyhow::{bail, Context, Result};
-use clap::ValueEnum;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
+use std::path::PathBuf;
 use std::time::Instant;
 
-/// One way of decoding: a method and its parameters.
+/// One way of decoding: a method and its parameters, under a name.
 #[derive(Debug, Clone)]
 pub struct BenchConfig {
     /// Column/row name, e.g. "ar", "esp-bc30-k1".
     pub name: String,
-    pub method: String,
-    pub bc: Option<usize>,
-    pub masks: Option<usize>,
-    /// What `make_drafter` builds it from.
-    pub args: MethodArgs,
+    pub method: Method,
 }
 
-/// The flag name of a method ("ar", "esp", ...).
-fn method_name(m: MethodArg) -> String {
-    m.to_possible_value()
-        .map(|v| v.get_name().to_string())
-        .unwrap_or_else(|| format!("{m:?}").to_lowercase())
+/// What `probespec bench` runs.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// Question file; `None`: the bundled Spec-Bench questions.
+    pub questions: Option<PathBuf>,
+    pub model: ModelOptions,
+    /// Methods to compare; ar is the reference of speedups and of the lossless check.
+    pub methods: Vec<MethodKind>,
+    /// Block complexities for esp and hybrid (one configuration each, times `masks`).
+    pub bc: Vec<Budget>,
+    /// Mask counts (k) for esp and hybrid.
+    pub masks: Vec<usize>,
+    /// ESP's static tree instead of the dynamic one.
+    pub static_tree: bool,
+    pub mask_init: MaskInit,
+    pub mask_lambda: f32,
+    pub max_new_tokens: usize,
+    /// Keep only these categories or groups.
+    pub categories: Vec<String>,
+    /// Keep the first N questions of each category.
+    pub limit_per_category: Option<usize>,
+    /// Output folder; a folder with records is resumed.
+    pub out: PathBuf,
+    /// Run the questions at index % N == I of the selection.
+    pub shard: Option<(usize, usize)>,
+    /// Unrecorded runs of the first question by every configuration before measuring.
+    pub warmup: usize,
+    pub system: Option<String>,
+    /// Seed of drafters that draw random numbers.
+    pub seed: u64,
 }
 
 /// The configurations of a run: methods × (for methods with a block complexity: bc × masks), ar first,
-/// duplicates removed. A new method is one more match arm here.
-pub fn configurations(a: &BenchRunArgs) -> Result<Vec<BenchConfig>> {
-    // The defaults of `probespec generate` for every method flag bench does not set.
-    let base = MethodArgs {
-        tree: a.tree,
-        mask_init: a.mask_init,
-        mask_lambda: a.mask_lambda,
-        ..MethodArgs::default()
+/// duplicates removed; every method's other parameters at `probespec`'s defaults.
+pub fn configurations(a: &BenchOptions) -> Result<Vec<BenchConfig>> {
+    let masks = |k| Masks {
+        count: k,
+        init: a.mask_init,
+        lambda: a.mask_lambda,
+    };
+    let tree = if a.static_tree {
+        EspTree::Static(None)
+    } else {
+        EspTree::Dynamic
     };
     let mut out: Vec<BenchConfig> = Vec::new();
     for &m in &a.methods {
-        let name = method_name(m);
-        let args = MethodArgs {
-            method: m,
-            ..base.clone()
+        let single = |method| BenchConfig {
+            name: m.to_string(),
+            method,
         };
         match m {
-            MethodArg::Ar | MethodArg::Pld | MethodArg::Lookahead => out.push(BenchConfig {
-                name: name.clone(),
-                method: name,
-                bc: None,
-                masks: None,
-                args,
-            }),
-            MethodArg::Esp | MethodArg::Hybrid => {
+            MethodKind::Ar => out.push(single(Method::Ar)),
+            MethodKind::Pld => out.push(single(Method::Pld(PldConfig::default()))),
+            MethodKind::Lookahead => out.push(single(Method::Lookahead(LookaheadConfig::default()))),
+            MethodKind::Esp | MethodKind::Hybrid => {
                 for &bc in &a.bc {
                     for &k in &a.masks {
+                        let method = if m == MethodKind::Esp {
+                            Method::Esp(EspSpec {
+                                masks: masks(k),
+                                budget: bc,
+                                tree: tree.clone(),
+                            })
+                        } else {
+                            Method::Hybrid(HybridSpec {
+                                masks: masks(k),
+                                budget: bc,
+                                lookup: PldConfig::default(),
+                            })
+                        };
+                        let bc = match bc {
+                            Budget::Auto => "auto".to_string(),
+                            Budget::Fixed(n) => n.to_string(),
+                        };
                         out.push(BenchConfig {
-                            name: if bc == crate::cli::BC_AUTO {
-                                format!("{name}-bcauto-k{k}")
-                            } else {
-                                format!("{name}-bc{bc}-k{k}")
-                            },
-                            method: name.clone(),
-                            bc: Some(bc),
-                            masks: Some(k),
-                            args: MethodArgs {
-                                bc,
-                                masks: k,
-                                ..args.clone()
-                            },
+                            name: format!("{m}-bc{bc}-k{k}"),
+                            method,
                         });
                     }
                 }
@@ -92,13 +120,15 @@ pub fn configurations(a: &BenchRunArgs) -> Result<Vec<BenchConfig>> {
     let mut seen = std::collections::HashSet::new();
     out.retain(|c| seen.insert(c.name.clone()));
     // ar runs first on every question: it is the reference the others are checked against.
-    out.sort_by_key(|c| c.method != "ar");
+    out.sort_by_key(|c| c.method.kind() != MethodKind::Ar);
     if out.is_empty() {
         bail!("--methods selects no configuration");
     }
     // Bad parameters (a bc too small for its masks, ...) fail now, not after the model has loaded.
     for c in &out {
-        make_drafter(&c.args, a.seed).with_context(|| format!("configuration {}", c.name))?;
+        c.method
+            .validate()
+            .with_context(|| format!("configuration {}", c.name))?;
     }
     Ok(out)
 }
@@ -134,7 +164,7 @@ impl Engine<'_> {
             } else {
                 tok.encode(&tok.apply_chat_template(&messages, true)?)?
             };
-            let mut drafter = make_drafter(&c.args, self.seed)?;
+            let mut drafter = c.method.drafter(self.seed)?;
             let t0 = Instant::now();
             let g = generate(self.model, &prompt, drafter.as_mut(), &self.params, &mut |_| {
                 Ok(())
@@ -154,9 +184,9 @@ impl Engine<'_> {
                 turn: t + 1,
                 turns: q.turns.len(),
                 config: c.name.clone(),
-                method: c.method.clone(),
-                bc: c.bc,
-                masks: c.masks,
+                method: c.method.kind(),
+                bc: c.method.budget(),
+                masks: c.method.masks(),
                 prompt_tokens: prompt.len(),
                 new_tokens: g.tokens.len(),
                 model_calls: g.stats.model_calls,
@@ -170,7 +200,7 @@ impl Engine<'_> {
                 prefill_seconds: g.stats.prefill_seconds,
                 wall_seconds,
                 tokens: g.tokens,
-                finish_reason: g.finish_reason.to_string(),
+                finish_reason: g.finish_reason,
                 accept_lengths: g.stats.accept_lengths,
                 text: Some(answer),
                 text_tokens: Some(text_tokens),
@@ -210,22 +240,16 @@ impl RunningTau {
     }
 }
 
-fn device_name(a: &BenchRunArgs) -> String {
-    let arg = format!("{:?}", a.model.device).to_lowercase();
+fn device_name(a: &BenchOptions) -> String {
+    let arg = a.model.device.name().to_string();
     match a.model.device {
-        crate::cli::DeviceArg::Cuda => facts::gpu_name().map(|g| format!("cuda:0 ({g})")).unwrap_or(arg),
+        DeviceKind::Cuda => facts::gpu_name().map(|g| format!("cuda:0 ({g})")).unwrap_or(arg),
         _ => arg,
     }
 }
 
-fn value_name<T: ValueEnum + std::fmt::Debug>(v: &T) -> String {
-    v.to_possible_value()
-        .map(|p| p.get_name().to_string())
-        .unwrap_or_else(|| format!("{v:?}"))
-}
-
-/// `probespec bench --questions ...`.
-pub fn run_bench(a: &BenchRunArgs) -> Result<()> {
+/// `probespec bench [--questions ...]`.
+pub fn run_bench(a: &BenchOptions) -> Result<()> {
     let (all, questions_hash, questions_file) = questions_or_bundled(a.questions.as_deref())?;
     if a.max_new_tokens == 0 {
         bail!("--max-new-tokens must be at least 1");
@@ -240,7 +264,7 @@ pub fn run_bench(a: &BenchRunArgs) -> Result<()> {
         bail!("the selection holds no questions (--categories, --limit-per-category and --shard leave none)");
     }
     let configs = configurations(a)?;
-    if !configs.iter().any(|c| c.method == "ar") {
+    if !configs.iter().any(|c| c.method.kind() == MethodKind::Ar) {
         eprintln!("warning: no ar configuration: speedups and the lossless check will be missing");
     }
 
@@ -257,11 +281,11 @@ pub fn run_bench(a: &BenchRunArgs) -> Result<()> {
     let mut settings = Settings {
         model: a.model.model.clone().unwrap_or_else(|| "default".into()),
         model_description: String::new(),
-        device: format!("{:?}", a.model.device).to_lowercase(),
+        device: a.model.device.name().to_string(),
         dtype: String::new(),
         max_new_tokens: a.max_new_tokens,
-        tree: value_name(&a.tree),
-        mask_init: value_name(&a.mask_init),
+        tree: if a.static_tree { "static" } else { "dynamic" }.to_string(),
+        mask_init: a.mask_init.name().to_string(),
         mask_lambda: a
             .mask_lambda
             .to_string()
@@ -291,7 +315,7 @@ pub fn run_bench(a: &BenchRunArgs) -> Result<()> {
     };
     check(&settings, &["questions_file", "model_description", "dtype"])?;
 
-    let loaded = load(&a.model)?;
+    let loaded = Session::load(&a.model)?;
     if !loaded.tokenizer.has_chat_template() {
         bail!(
             "{} has no chat template: Spec-Bench asks questions as a chat",

@@ -2,6 +2,7 @@
 //! strategy must reproduce token for token.
 
 use super::generate::{Draft, Drafter, Step};
+use super::method::MethodKind;
 use super::tree::Probe;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
@@ -11,8 +12,8 @@ use candle_core::Tensor;
 pub struct Autoregressive;
 
 impl Drafter for Autoregressive {
-    fn name(&self) -> String {
-        "ar".into()
+    fn name(&self) -> MethodKind {
+        MethodKind::Ar
     }
     fn begin(&mut self, _: &Transformer, _: &[u32]) -> Result<usize> {
         Ok(0)

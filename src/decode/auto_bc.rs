@@ -70,10 +70,11 @@ impl CostCurve {
         })
     }
 
-    /// The curve for `model`, measured on first use in this process.
+    /// The curve for `model`, measured on its first use in this process (keyed by the model's identity,
+    /// not by where it sits in memory: a later model at the same address gets its own curve).
     pub fn for_model(model: &Transformer, context: &[u32]) -> Result<Arc<CostCurve>> {
-        static CURVES: OnceLock<Mutex<HashMap<usize, Arc<CostCurve>>>> = OnceLock::new();
-        let key = model as *const Transformer as usize;
+        static CURVES: OnceLock<Mutex<HashMap<u64, Arc<CostCurve>>>> = OnceLock::new();
+        let key = model.id;
         let curves = CURVES.get_or_init(Default::default);
         if let Some(c) = curves.lock().unwrap().get(&key) {
             return Ok(c.clone());

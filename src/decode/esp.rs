@@ -4,6 +4,7 @@
 
 use super::auto_bc::{self, AutoBudget, CostCurve};
 use super::generate::{Draft, Drafter, Step};
+use super::method::MethodKind;
 use super::sampling::top_candidates;
 use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe, TokenTree};
 use crate::model::Transformer;
@@ -20,6 +21,17 @@ pub enum MaskInit {
     Normal,
     /// The last k prompt embeddings (the paper's worst).
     Last,
+}
+
+impl MaskInit {
+    /// The flag value (`--mask-init`).
+    pub fn name(self) -> &'static str {
+        match self {
+            MaskInit::Mean => "mean",
+            MaskInit::Normal => "normal",
+            MaskInit::Last => "last",
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,8 +187,8 @@ impl Esp {
 }
 
 impl Drafter for Esp {
-    fn name(&self) -> String {
-        "esp".into()
+    fn name(&self) -> MethodKind {
+        MethodKind::Esp
     }
 
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {

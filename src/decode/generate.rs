@@ -4,12 +4,14 @@
 //! root + accepted path in the KV cache -> hand the probes' logits back to the drafter }.
 //! Verification, cache compaction, stopping rules and statistics are written here once.
 
+use super::method::MethodKind;
 use super::sampling::{Sampler, SamplingParams};
 use super::stats::DecodeStats;
 use super::tree::{accept, LayoutCache, Probe, TokenTree};
 use crate::model::{BlockMask, KvCache, Transformer};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
+use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 /// What a drafter proposes for one step: candidate tree rooted at the last committed token, and probe rows.
@@ -29,8 +31,8 @@ impl Draft {
 
 /// A decoding strategy: only the drafting differs between methods.
 pub trait Drafter {
-    /// Short name for statistics ("ar", "esp", ...).
-    fn name(&self) -> String;
+    /// The method, for statistics.
+    fn name(&self) -> MethodKind;
     /// Called once with the prompt before prefill. Returns how many probe rows (offsets 1..=n, owned by the
     /// last prompt token) to append to the prefill.
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize>;
@@ -70,11 +72,21 @@ pub struct GenerateParams {
     pub stop_tokens: Vec<u32>,
 }
 
+/// Why decoding ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// The model produced one of the stop tokens (it is the last token).
+    StopToken,
+    MaxNewTokens,
+    /// The context window is full.
+    ContextWindow,
+}
+
 pub struct Generation {
     pub tokens: Vec<u32>,
     pub stats: DecodeStats,
-    /// Why decoding ended: "stop_token", "max_new_tokens" or "context_window".
-    pub finish_reason: &'static str,
+    pub finish_reason: FinishReason,
 }
 
 /// Runs one generation. `on_token` sees every committed token as soon as its step ends (streaming).
@@ -167,11 +179,11 @@ pub fn generate_in(
             history.push(t);
             on_token(t)?;
             let reason = if params.stop_tokens.contains(&t) {
-                "stop_token"
+                FinishReason::StopToken
             } else if generated.len() >= params.max_new_tokens {
-                "max_new_tokens"
+                FinishReason::MaxNewTokens
             } else if history.len() >= ctx {
-                "context_window"
+                FinishReason::ContextWindow
             } else {
                 continue;
             };

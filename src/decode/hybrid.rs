@@ -3,15 +3,10 @@
 //! probes, and the masks of the deepest accepted node seed the next step's ESP candidates (exactly as in
 //! [`super::esp`], whose [`MaskEmbedding`] and candidate lists this reuses).
 //!
-//! Two ways to fill the node budget ([`HybridMode`]):
-//! - **simple** (the reference hybrid of docs/ESP.md): the prompt-lookup chain root -> c1 -> c2 -> ... (up to
-//!   `draft_len` tokens), then ESP's candidates (its dynamic tree from the previous step's mask logits; with
-//!   k = 1 the top depth-1 tokens, siblings of c1) until the budget is full.
-//! - **scored** (the default): every source proposes scored paths, merged into one candidate trie, and the
-//!   `nodes` best nodes by one score are kept. A node's score estimates the probability that the verifier
-//!   reaches it: the parent's score times the chance it is accepted given its parent was, combined over the
-//!   sources that propose it as `1 - prod(1 - p_s)`. Scores never grow along a path, so the best nodes form
-//!   a tree. Sources:
+//! Every source proposes scored paths, merged into one candidate trie, and the `nodes` best nodes by one
+//! score are kept. A node's score estimates the probability that the verifier reaches it: the parent's
+//! score times the chance it is accepted given its parent was, combined over the sources that propose it
+//! as `1 - prod(1 - p_s)`. Scores never grow along a path, so the best nodes form a tree. Sources:
 //!   - ESP: the dynamic tree of the mask candidates; `p = alpha * p_mask`, where the calibration `alpha`
 //!     (accepted ESP nodes / their summed mask probability) is learnt online during the generation;
 //!   - prompt lookup: up to `pld_matches` distinct continuations of the history's suffix (n = `max_ngram`
@@ -29,20 +24,13 @@
 
 use super::esp::{mask_candidates, MaskEmbedding, MaskInit};
 use super::generate::{Draft, Drafter, Step};
-use super::ngram::{distinct_matches, insert_chain, lookup};
+use super::method::MethodKind;
+use super::ngram::{distinct_matches, lookup};
 use super::tree::{dynamic_tree, esp_probes, Candidates, Probe, TokenTree};
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
 use std::collections::HashMap;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HybridMode {
-    /// Prompt-lookup chain first, ESP candidates fill the rest of the budget.
-    Simple,
-    /// Every source scored, the best nodes kept.
-    Scored,
-}
 
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
@@ -57,15 +45,14 @@ pub struct HybridConfig {
     pub lambda: f32,
     pub init: MaskInit,
     pub seed: u64,
-    pub mode: HybridMode,
-    /// Scored mode: distinct prompt-lookup continuations.
+    /// Distinct prompt-lookup continuations.
     pub pld_matches: usize,
-    /// Scored mode: ESP depth-1 candidates extended by their prompt-lookup continuation.
+    /// ESP depth-1 candidates extended by their prompt-lookup continuation.
     pub extend: usize,
 }
 
 impl HybridConfig {
-    /// The defaults for a node budget and k: scored, 3-gram lookup, chains of up to 10 tokens.
+    /// The defaults for a node budget and k: 3-gram lookup, chains of up to 10 tokens.
     pub fn new(masks: usize, nodes: usize) -> Self {
         HybridConfig {
             masks,
@@ -75,7 +62,6 @@ impl HybridConfig {
             lambda: 0.1,
             init: MaskInit::Mean,
             seed: 0,
-            mode: HybridMode::Scored,
             pld_matches: 3,
             extend: 4,
         }
@@ -244,31 +230,6 @@ impl Hybrid {
         self.esp_accepted / self.esp_mass
     }
 
-    /// The reference hybrid of docs/ESP.md: the lookup chain, then ESP's tree until the budget is full.
-    fn draft_simple(&self, root: u32, history: &[u32], budget: usize) -> TokenTree {
-        let mut tree = TokenTree::with_capacity(root, 1 + budget);
-        if let Some(m) = lookup(history, self.cfg.max_ngram, self.cfg.draft_len.min(budget)) {
-            insert_chain(&mut tree, 0, m.continuation, budget);
-        }
-        let esp = dynamic_tree(root, &self.dists, budget);
-        let mut map = vec![usize::MAX; esp.len()];
-        map[0] = 0;
-        for n in 1..esp.len() {
-            if tree.len() > budget {
-                break;
-            }
-            let p = map[esp.parent(n).unwrap()];
-            if p == usize::MAX {
-                continue;
-            }
-            map[n] = match tree.child_with_token(p, esp.token(n)) {
-                Some(c) => c,
-                None => tree.push(p, esp.token(n)),
-            };
-        }
-        tree
-    }
-
     /// Every source into one candidate trie, the best `budget` nodes kept.
     fn draft_scored(&self, root: u32, history: &[u32], budget: usize) -> (TokenTree, Vec<NodeInfo>) {
         let mut c = CandidateTrie::new(root);
@@ -355,8 +316,8 @@ impl Hybrid {
 }
 
 impl Drafter for Hybrid {
-    fn name(&self) -> String {
-        "hybrid".into()
+    fn name(&self) -> MethodKind {
+        MethodKind::Hybrid
     }
 
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
@@ -379,14 +340,7 @@ impl Drafter for Hybrid {
             self.last = None;
             return Draft::root_only(root);
         }
-        let (tree, infos) = match self.cfg.mode {
-            HybridMode::Simple => {
-                let t = self.draft_simple(root, history, budget);
-                let n = t.len();
-                (t, vec![NodeInfo::default(); n])
-            }
-            HybridMode::Scored => self.draft_scored(root, history, budget),
-        };
+        let (tree, infos) = self.draft_scored(root, history, budget);
         let probes = esp_probes(tree.len(), k);
         self.last = Some((tree.clone(), infos));
         Draft { tree, probes }
@@ -423,31 +377,13 @@ mod tests {
         list.to_vec()
     }
 
-    fn hybrid(mode: HybridMode, nodes: usize) -> Hybrid {
-        let mut cfg = HybridConfig::new(1, nodes);
-        cfg.mode = mode;
-        Hybrid::new(cfg).unwrap()
-    }
-
-    #[test]
-    fn simple_is_the_chain_plus_esp_siblings() {
-        let mut h = hybrid(HybridMode::Simple, 5);
-        // History ends in 7; 7 occurred before, followed by 8 9.
-        let history = [7, 8, 9, 1, 7];
-        h.dists = vec![cands(&[(7, 0.5), (8, 0.2), (3, 0.1), (4, 0.05), (5, 0.01)])];
-        let t = h.draft_simple(7, &history, 5);
-        // Chain 7 -> 8 -> 9 -> 1 -> 7 (4 nodes: budget 5 caps the lookup at 5, history gives 4), then the
-        // ESP siblings: 7 is the root's token (pruned), 8 merges with c1, 3 takes the last slot.
-        assert_eq!(t.tokens(), &[7, 8, 9, 1, 7, 3]);
-        assert_eq!(t.parents(), &[0, 0, 1, 2, 3, 0]);
-        // No match: ESP alone.
-        let t = h.draft_simple(2, &[5, 6, 2], 3);
-        assert_eq!(t.tokens(), &[2, 7, 8, 3]);
+    fn hybrid(nodes: usize) -> Hybrid {
+        Hybrid::new(HybridConfig::new(1, nodes)).unwrap()
     }
 
     #[test]
     fn scored_ranks_sources_by_learnt_rates() {
-        let mut h = hybrid(HybridMode::Scored, 3);
+        let mut h = hybrid(3);
         h.cfg.extend = 0;
         let history = [5, 6, 1, 2, 3, 9, 5, 6];
         h.dists = vec![cands(&[(40, 0.6), (41, 0.3), (42, 0.05)])];
@@ -488,7 +424,7 @@ mod tests {
 
     #[test]
     fn scored_extends_esp_candidates_with_lookup() {
-        let mut h = hybrid(HybridMode::Scored, 4);
+        let mut h = hybrid(4);
         h.cfg.pld_matches = 0;
         // After root 6, ESP proposes 1; "6 1" was followed by "2 3" earlier.
         let history = [6, 1, 2, 3, 8, 6];
@@ -500,7 +436,7 @@ mod tests {
 
     #[test]
     fn learning_counts_reached_nodes_only() {
-        let mut h = hybrid(HybridMode::Scored, 4);
+        let mut h = hybrid(4);
         let mut t = TokenTree::new(0);
         let a = t.push(0, 1);
         let b = t.push(a, 2);

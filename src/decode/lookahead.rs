@@ -35,6 +35,7 @@
 //! 37 rows.
 
 use super::generate::{Draft, Drafter, Step};
+use super::method::MethodKind;
 use super::ngram::{insert_chain, NgramPool};
 use super::sampling::argmax;
 use super::tree::{Probe, TokenTree};
@@ -167,8 +168,8 @@ impl Lookahead {
 }
 
 impl Drafter for Lookahead {
-    fn name(&self) -> String {
-        "lookahead".into()
+    fn name(&self) -> MethodKind {
+        MethodKind::Lookahead
     }
 
     fn begin(&mut self, _: &Transformer, prompt: &[u32]) -> Result<usize> {

@@ -7,6 +7,7 @@ pub mod esp;
 pub mod generate;
 pub mod hybrid;
 pub mod lookahead;
+pub mod method;
 pub mod ngram;
 pub mod pld;
 pub mod sampling;

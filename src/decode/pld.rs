@@ -9,6 +9,7 @@
 //! passage) more closely.
 
 use super::generate::{Draft, Drafter, Step};
+use super::method::MethodKind;
 use super::ngram;
 use super::tree::{Probe, TokenTree};
 use crate::model::Transformer;
@@ -58,8 +59,8 @@ pub fn pld_chain(root: u32, history: &[u32], max_ngram: usize, draft_len: usize)
 }
 
 impl Drafter for Pld {
-    fn name(&self) -> String {
-        "pld".into()
+    fn name(&self) -> MethodKind {
+        MethodKind::Pld
     }
 
     fn begin(&mut self, _: &Transformer, _: &[u32]) -> Result<usize> {

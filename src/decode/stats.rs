@@ -1,11 +1,12 @@
 //! Decoding statistics: model calls, tokens committed per call (tau), a histogram of it, and where the
 //! time went (forward pass, drafting, verification, bookkeeping).
 
+use super::method::MethodKind;
 use serde::Serialize;
 
-#[derive(Debug, Clone, Serialize, Default)]
+#[derive(Debug, Clone, Serialize)]
 pub struct DecodeStats {
-    pub method: String,
+    pub method: MethodKind,
     pub new_tokens: usize,
     /// Decoding forward passes after prefill.
     pub model_calls: usize,
@@ -32,10 +33,25 @@ pub struct DecodeStats {
 }
 
 impl DecodeStats {
-    pub fn new(method: String) -> Self {
+    pub fn new(method: MethodKind) -> Self {
         DecodeStats {
             method,
-            ..Default::default()
+            new_tokens: 0,
+            model_calls: 0,
+            tau: 0.0,
+            prefill_seconds: 0.0,
+            prefill_tokens: 0,
+            decode_seconds: 0.0,
+            tokens_per_second: 0.0,
+            committed_histogram: Vec::new(),
+            accept_lengths: Vec::new(),
+            tree_nodes: 0,
+            block_rows: 0,
+            forward_seconds: 0.0,
+            draft_seconds: 0.0,
+            verify_seconds: 0.0,
+            bookkeeping_seconds: 0.0,
+            last_step: None,
         }
     }
 

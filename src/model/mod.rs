@@ -75,6 +75,8 @@ pub struct Transformer {
     sin: Tensor,
     pub device: Device,
     pub dtype: DType,
+    /// Unique per constructed model in this process: what caches of per-model measurements are keyed by.
+    pub id: u64,
 }
 
 impl Transformer {
@@ -102,7 +104,9 @@ impl Transformer {
             .to_dtype(DType::F32)?
             .reshape((n, 1))?;
         let freqs = t.matmul(&inv_freq)?;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Transformer {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             cos: freqs.cos()?.to_dtype(dtype)?,
             sin: freqs.sin()?.to_dtype(dtype)?,
             config,

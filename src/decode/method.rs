@@ -1,0 +1,353 @@
+//! A decoding method as plain data: which drafter, with which parameters. The one place where a method's
+//! parameters are checked and its drafter is built; the CLI's flags and the benchmark's configurations
+//! convert into a [`Method`].
+
+use super::ar::Autoregressive;
+use super::esp::{Esp, EspConfig, MaskInit, TreeShape};
+use super::generate::Drafter;
+use super::hybrid::{Hybrid, HybridConfig};
+use super::lookahead::{Lookahead, LookaheadConfig};
+use super::pld::{Pld, PldConfig};
+use super::tree::node_budget;
+use anyhow::{anyhow, bail, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// The methods, by the names the CLI, the statistics and the benchmark records use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MethodKind {
+    /// Plain greedy / sampled decoding, the reference.
+    Ar,
+    /// Embedding-Space Probing: mask tokens on every tree node.
+    Esp,
+    /// Prompt Lookup Decoding.
+    Pld,
+    /// Lookahead decoding (one Jacobi level and an n-gram pool).
+    Lookahead,
+    /// ESP, prompt lookup and n-gram continuations in one tree.
+    Hybrid,
+}
+
+impl MethodKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            MethodKind::Ar => "ar",
+            MethodKind::Esp => "esp",
+            MethodKind::Pld => "pld",
+            MethodKind::Lookahead => "lookahead",
+            MethodKind::Hybrid => "hybrid",
+        }
+    }
+}
+
+impl fmt::Display for MethodKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Block complexity: rows per forward pass, masks included, `(k + 1)(1 + nodes)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Budget {
+    /// Chosen per step from the measured forward cost and the observed acceptance.
+    #[default]
+    Auto,
+    Fixed(usize),
+}
+
+impl std::str::FromStr for Budget {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Budget::Auto),
+            _ => match s.parse::<usize>() {
+                Ok(n) if n > 0 => Ok(Budget::Fixed(n)),
+                _ => Err(format!(
+                    "'{s}' is not a block complexity (a positive number or 'auto')"
+                )),
+            },
+        }
+    }
+}
+
+/// In records: a number, or "auto" (older records wrote `--bc auto` as 0).
+impl Serialize for Budget {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Budget::Auto => s.serialize_str("auto"),
+            Budget::Fixed(n) => s.serialize_u64(*n as u64),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Budget {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Number(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Number(0) => Ok(Budget::Auto),
+            Raw::Number(n) => Ok(Budget::Fixed(n as usize)),
+            Raw::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl fmt::Display for Budget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Budget::Auto => f.write_str("auto"),
+            Budget::Fixed(n) => write!(f, "{n}"),
+        }
+    }
+}
+
+/// The mask tokens of ESP and hybrid: how many per node, how they start, how fast they follow the text.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Masks {
+    /// k, masks per tree node (1..=3).
+    pub count: usize,
+    pub init: MaskInit,
+    /// Update rate: m <- m + lambda (e - m) per committed token.
+    pub lambda: f32,
+}
+
+impl Default for Masks {
+    fn default() -> Self {
+        Masks {
+            count: 1,
+            init: MaskInit::Mean,
+            lambda: 0.1,
+        }
+    }
+}
+
+impl Masks {
+    fn validate(&self) -> Result<()> {
+        if !(1..=3).contains(&self.count) {
+            bail!("--masks must be 1, 2 or 3 (got {})", self.count);
+        }
+        if !(0.0..=1.0).contains(&self.lambda) {
+            bail!("--mask-lambda must be in [0, 1] (got {})", self.lambda);
+        }
+        Ok(())
+    }
+}
+
+/// ESP's tree.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum EspTree {
+    /// The paper's Algorithm 1: best-first by cumulative probability.
+    #[default]
+    Dynamic,
+    /// K_i candidates at depth i, only the best of each depth expanded; `None`: the paper's proportions
+    /// for the budget.
+    Static(Option<Vec<usize>>),
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct EspSpec {
+    pub masks: Masks,
+    pub budget: Budget,
+    pub tree: EspTree,
+}
+
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HybridSpec {
+    pub masks: Masks,
+    pub budget: Budget,
+    /// The prompt-lookup source's n-gram length and chain length.
+    pub lookup: PldConfig,
+}
+
+/// A decoding method and its parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Method {
+    Ar,
+    Esp(EspSpec),
+    Pld(PldConfig),
+    /// The seed of the config is replaced by the generation's.
+    Lookahead(LookaheadConfig),
+    Hybrid(HybridSpec),
+}
+
+impl Default for Method {
+    /// What `probespec` runs without flags: ESP, dynamic tree, `--bc auto`.
+    fn default() -> Self {
+        Method::Esp(EspSpec::default())
+    }
+}
+
+/// Where `--bc auto` has no per-step policy yet, it means the paper's middle setting.
+const BC_WITHOUT_AUTO_POLICY: usize = 30;
+
+impl Method {
+    pub fn kind(&self) -> MethodKind {
+        match self {
+            Method::Ar => MethodKind::Ar,
+            Method::Esp(_) => MethodKind::Esp,
+            Method::Pld(_) => MethodKind::Pld,
+            Method::Lookahead(_) => MethodKind::Lookahead,
+            Method::Hybrid(_) => MethodKind::Hybrid,
+        }
+    }
+
+    /// The block complexity, for methods that have one.
+    pub fn budget(&self) -> Option<Budget> {
+        match self {
+            Method::Esp(e) => Some(e.budget),
+            Method::Hybrid(h) => Some(h.budget),
+            _ => None,
+        }
+    }
+
+    /// Masks per node, for methods that have them.
+    pub fn masks(&self) -> Option<usize> {
+        match self {
+            Method::Esp(e) => Some(e.masks.count),
+            Method::Hybrid(h) => Some(h.masks.count),
+            _ => None,
+        }
+    }
+
+    /// Checks every parameter, without building anything that costs.
+    pub fn validate(&self) -> Result<()> {
+        self.drafter(0).map(drop)
+    }
+
+    /// The drafter of this method; `seed` feeds the drafters that draw random numbers.
+    pub fn drafter(&self, seed: u64) -> Result<Box<dyn Drafter>> {
+        Ok(match self {
+            Method::Ar => Box::new(Autoregressive),
+            Method::Esp(e) => {
+                e.masks.validate()?;
+                let k = e.masks.count;
+                let tree = match (&e.tree, e.budget) {
+                    (EspTree::Static(Some(b)), _) => TreeShape::Static { branches: b.clone() },
+                    (EspTree::Dynamic, Budget::Auto) => TreeShape::Auto,
+                    (EspTree::Dynamic, Budget::Fixed(bc)) => TreeShape::Dynamic {
+                        budget: nodes(bc, k)?,
+                    },
+                    (EspTree::Static(None), b) => TreeShape::Static {
+                        branches: default_branches(nodes(fixed_or_default(b), k)?, k),
+                    },
+                };
+                Box::new(Esp::new(EspConfig {
+                    masks: k,
+                    tree,
+                    lambda: e.masks.lambda,
+                    init: e.masks.init,
+                    seed,
+                })?)
+            }
+            Method::Pld(c) => Box::new(Pld::new(*c)?),
+            Method::Lookahead(c) => Box::new(Lookahead::new(LookaheadConfig { seed, ..*c })?),
+            Method::Hybrid(h) => {
+                h.masks.validate()?;
+                let mut c =
+                    HybridConfig::new(h.masks.count, nodes(fixed_or_default(h.budget), h.masks.count)?);
+                c.max_ngram = h.lookup.max_ngram;
+                c.draft_len = h.lookup.draft_len;
+                c.lambda = h.masks.lambda;
+                c.init = h.masks.init;
+                c.seed = seed;
+                Box::new(Hybrid::new(c)?)
+            }
+        })
+    }
+}
+
+fn fixed_or_default(b: Budget) -> usize {
+    match b {
+        Budget::Fixed(n) => n,
+        Budget::Auto => BC_WITHOUT_AUTO_POLICY,
+    }
+}
+
+fn nodes(bc: usize, k: usize) -> Result<usize> {
+    node_budget(bc, k).map_err(|e| anyhow!(e))
+}
+
+/// A static shape for a node budget: the paper's proportions (BC 30, k=2: [7, 2]; BC 60, k=2: [15, 4]).
+pub fn default_branches(budget: usize, k: usize) -> Vec<usize> {
+    if k == 1 || budget < k {
+        return vec![budget.max(1)];
+    }
+    let deeper = ((budget as f32 / 5.0).round() as usize).max(1);
+    let mut b = vec![budget.saturating_sub(deeper * (k - 1)).max(1)];
+    b.extend(std::iter::repeat_n(deeper, k - 1));
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn budgets_parse_and_print() {
+        assert_eq!("auto".parse::<Budget>(), Ok(Budget::Auto));
+        assert_eq!("30".parse::<Budget>(), Ok(Budget::Fixed(30)));
+        assert!("0".parse::<Budget>().is_err());
+        assert!("x".parse::<Budget>().is_err());
+        assert_eq!(Budget::Fixed(60).to_string(), "60");
+        for (json, b) in [("30", Budget::Fixed(30)), ("\"auto\"", Budget::Auto)] {
+            assert_eq!(serde_json::to_string(&b).unwrap(), json);
+            assert_eq!(serde_json::from_str::<Budget>(json).unwrap(), b);
+        }
+        // Records written before the budget was a type held `--bc auto` as 0.
+        assert_eq!(serde_json::from_str::<Budget>("0").unwrap(), Budget::Auto);
+    }
+
+    #[test]
+    fn the_papers_static_shapes() {
+        assert_eq!(default_branches(9, 2), vec![7, 2]);
+        assert_eq!(default_branches(19, 2), vec![15, 4]);
+        assert_eq!(default_branches(14, 1), vec![14]);
+    }
+
+    #[test]
+    fn parameters_are_checked_once_for_every_method() {
+        let masks = |count, lambda| Masks {
+            count,
+            lambda,
+            ..Masks::default()
+        };
+        let esp = |m| {
+            Method::Esp(EspSpec {
+                masks: m,
+                budget: Budget::Fixed(30),
+                ..EspSpec::default()
+            })
+        };
+        let hybrid = |m| {
+            Method::Hybrid(HybridSpec {
+                masks: m,
+                budget: Budget::Fixed(30),
+                ..HybridSpec::default()
+            })
+        };
+        for make in [esp, hybrid] {
+            assert!(make(masks(1, 0.1)).validate().is_ok());
+            let e = make(masks(4, 0.1)).validate().unwrap_err().to_string();
+            assert!(e.contains("--masks"), "{e}");
+            let e = make(masks(1, 1.5)).validate().unwrap_err().to_string();
+            assert!(e.contains("--mask-lambda"), "{e}");
+        }
+        // BC 4 cannot hold a root and a node with 2 masks each.
+        let small = Method::Esp(EspSpec {
+            masks: masks(2, 0.1),
+            budget: Budget::Fixed(4),
+            ..EspSpec::default()
+        });
+        assert!(small.validate().is_err());
+        assert_eq!(Method::default().kind(), MethodKind::Esp);
+        assert_eq!(
+            serde_json::to_string(&MethodKind::Lookahead).unwrap(),
+            "\"lookahead\""
+        );
+    }
+}

@@ -1,0 +1,153 @@
+//! A loaded model ready to answer: device and dtype selection, model and tokenizer loading, and the prompt
+//! through the chat template. What the CLI, the benchmark, the tests and the benches start from.
+
+use crate::decode::generate::{generate, GenerateParams, Generation};
+use crate::decode::method::Method;
+use crate::model::load::{load_model, LoadOptions, ModelSource};
+use crate::model::Transformer;
+use crate::tokenizer::{Message, TextTokenizer};
+use anyhow::{bail, Result};
+use candle_core::{DType, Device};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DeviceKind {
+    #[default]
+    Cpu,
+    Cuda,
+    Metal,
+}
+
+impl DeviceKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Cpu => "cpu",
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Metal => "metal",
+        }
+    }
+
+    /// The device, or an error saying why this binary or machine has none.
+    pub fn device(self) -> Result<Device> {
+        match self {
+            DeviceKind::Cpu => Ok(Device::Cpu),
+            DeviceKind::Cuda => {
+                if !candle_core::utils::cuda_is_available() {
+                    bail!("CUDA is not available: this binary was built without the `cuda` feature or no GPU was found");
+                }
+                Ok(Device::new_cuda(0)?)
+            }
+            DeviceKind::Metal => {
+                if !candle_core::utils::metal_is_available() {
+                    bail!("Metal is not available: this binary was built without the `metal` feature");
+                }
+                Ok(Device::new_metal(0)?)
+            }
+        }
+    }
+}
+
+/// Which model, where, in which dtype.
+#[derive(Debug, Clone, Default)]
+pub struct ModelOptions {
+    /// HF folder, `.gguf` file or hub id; `None`: the default SmolLM2 GGUF.
+    pub model: Option<String>,
+    pub device: DeviceKind,
+    /// `None`: f32 on the CPU, bf16 on a GPU.
+    pub dtype: Option<DType>,
+    /// Run GGUF block-quantised weights dense instead of in their blocks.
+    pub dequantize: bool,
+}
+
+impl ModelOptions {
+    /// The dtype asked for, or the device's default: f32 on the CPU, bf16 on a GPU.
+    pub fn dtype_on(&self, device: &Device) -> DType {
+        match self.dtype {
+            Some(d) => d,
+            None if device.is_cpu() => DType::F32,
+            None => DType::BF16,
+        }
+    }
+}
+
+/// A model and its tokenizer, loaded once, shared by every generation.
+pub struct Session {
+    pub model: Transformer,
+    pub tokenizer: TextTokenizer,
+    /// What was loaded, for humans and run records.
+    pub description: String,
+}
+
+impl Session {
+    pub fn load(opts: &ModelOptions) -> Result<Session> {
+        let device = opts.device.device()?;
+        let dtype = opts.dtype_on(&device);
+        let source = ModelSource::resolve(opts.model.as_deref())?;
+        let loaded = load_model(
+            &source,
+            &LoadOptions {
+                device,
+                dtype,
+                dequantize: opts.dequantize,
+            },
+        )?;
+        Ok(Session {
+            model: loaded.model,
+            tokenizer: loaded.tokenizer,
+            description: loaded.description,
+        })
+    }
+
+    /// Prompt text -> token ids, through the chat template (with an optional system message) unless
+    /// `chat` is false.
+    pub fn encode_prompt(&self, text: &str, system: Option<&str>, chat: bool) -> Result<Vec<u32>> {
+        encode_prompt(&self.tokenizer, text, system, chat)
+    }
+
+    /// The prompt text as the model reads it: through the chat template unless `chat` is false.
+    pub fn render_prompt(&self, text: &str, system: Option<&str>, chat: bool) -> Result<String> {
+        render_prompt(&self.tokenizer, text, system, chat)
+    }
+
+    /// The stop tokens of the model's tokenizer.
+    pub fn stop_tokens(&self) -> Vec<u32> {
+        self.tokenizer.stop_tokens().to_vec()
+    }
+
+    /// One generation from prompt ids with `method`; `on_token` sees every committed token.
+    pub fn generate(
+        &self,
+        prompt: &[u32],
+        method: &Method,
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<Generation> {
+        let mut drafter = method.drafter(params.sampling.seed)?;
+        generate(&self.model, prompt, drafter.as_mut(), params, on_token)
+    }
+}
+
+/// Prompt text -> the text the model reads, through the chat template unless `chat` is false.
+pub fn render_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat: bool) -> Result<String> {
+    if text.trim().is_empty() {
+        bail!("the prompt is empty");
+    }
+    if !chat {
+        return Ok(text.to_string());
+    }
+    let mut messages = Vec::new();
+    if let Some(s) = system {
+        messages.push(Message::new("system", s));
+    }
+    messages.push(Message::new("user", text));
+    tok.apply_chat_template(&messages, true)
+}
+
+/// Prompt text -> token ids, through the chat template unless `chat` is false.
+pub fn encode_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat: bool) -> Result<Vec<u32>> {
+    let ids = tok.encode(&render_prompt(tok, text, system, chat)?)?;
+    if ids.is_empty() {
+        bail!("the prompt is empty after tokenisation");
+    }
+    Ok(ids)
+}
