@@ -322,8 +322,12 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
         .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
     let file_len = file.metadata()?.len();
     for (name, info) in &ct.tensor_infos {
-        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-        let end = ct.tensor_data_offset + info.offset + bytes as u64;
+        let Some(end) = tensor_end(ct.tensor_data_offset, info) else {
+            bail!(
+                "{} is corrupt: tensor {name} has an impossible size",
+                path.display()
+            );
+        };
         if end > file_len {
             bail!(
                 "{} is truncated: tensor {name} ends at byte {end} but the file has {file_len} bytes",
@@ -331,6 +335,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             );
         }
     }
+    check_gguf_shapes(&ct).with_context(|| format!("{} is not a usable model", path.display()))?;
     let tokenizer =
         TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
     let model =
@@ -440,6 +445,79 @@ fn build_from_gguf(
         None
     };
     Transformer::new(config, embed, layers, final_norm, lm_head, rope_factors)
+}
+
+/// The byte where a GGUF tensor's data ends, `None` when its declared size overflows.
+fn tensor_end(data_offset: u64, info: &gguf_file::TensorInfo) -> Option<u64> {
+    let elems = info
+        .shape
+        .dims()
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d as u64))?;
+    let bytes =
+        (elems / info.ggml_dtype.block_size() as u64).checked_mul(info.ggml_dtype.type_size() as u64)?;
+    data_offset.checked_add(info.offset)?.checked_add(bytes)
+}
+
+/// Every tensor the model reads has the shape its metadata implies, checked before anything is read,
+/// reordered or reshaped.
+fn check_gguf_shapes(ct: &gguf_file::Content) -> Result<()> {
+    let dims = |name: &str| -> Result<&[usize]> {
+        Ok(ct
+            .tensor_infos
+            .get(name)
+            .with_context(|| format!("tensor {name} is missing"))?
+            .shape
+            .dims())
+    };
+    let &[vocab, _] = dims("token_embd.weight")? else {
+        bail!(
+            "tensor token_embd.weight has shape {:?}, expected two dimensions",
+            dims("token_embd.weight")?
+        );
+    };
+    let tied = !ct.tensor_infos.contains_key("output.weight");
+    let c = ModelConfig::from_gguf(&ct.metadata, vocab, tied)?;
+    let (d, hd, ff) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (q_rows, kv_rows) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let mut want: Vec<(String, Vec<usize>)> = vec![
+        ("token_embd.weight".into(), vec![vocab, d]),
+        ("output_norm.weight".into(), vec![d]),
+    ];
+    if !tied {
+        want.push(("output.weight".into(), vec![vocab, d]));
+    }
+    if ct.tensor_infos.contains_key("rope_freqs.weight") {
+        want.push(("rope_freqs.weight".into(), vec![hd / 2]));
+    }
+    for i in 0..c.num_layers {
+        let mut layer = vec![
+            ("attn_norm", vec![d]),
+            ("ffn_norm", vec![d]),
+            ("attn_q", vec![q_rows, d]),
+            ("attn_k", vec![kv_rows, d]),
+            ("attn_v", vec![kv_rows, d]),
+            ("attn_output", vec![d, q_rows]),
+            ("ffn_gate", vec![ff, d]),
+            ("ffn_up", vec![ff, d]),
+            ("ffn_down", vec![d, ff]),
+        ];
+        if c.qk_norm() {
+            layer.extend([("attn_q_norm", vec![hd]), ("attn_k_norm", vec![hd])]);
+        }
+        want.extend(
+            layer
+                .into_iter()
+                .map(|(name, shape)| (format!("blk.{i}.{name}.weight"), shape)),
+        );
+    }
+    for (name, shape) in want {
+        let got = dims(&name)?;
+        if got != shape.as_slice() {
+            bail!("tensor {name} has shape {got:?}, but the metadata implies {shape:?}");
+        }
+    }
+    Ok(())
 }
 
 /// Row order that turns llama.cpp's interleaved q/k rows back into Hugging Face order:
