@@ -91,7 +91,11 @@ pub fn generate(
     // Prefill: [prompt | prefill probes], plain causal attention.
     let probes = drafter.begin(model, prompt)?;
     let probes = if prompt.len() + probes <= ctx { probes } else { 0 };
-    let capacity = (prompt.len() + params.max_new_tokens + 256).min(ctx + 256);
+    let capacity = prompt
+        .len()
+        .saturating_add(params.max_new_tokens)
+        .saturating_add(256)
+        .min(ctx.saturating_add(256));
     let mut cache: KvCache = model.new_cache(capacity)?;
     let mut x = model.embed(prompt)?;
     if probes > 0 {
