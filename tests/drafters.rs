@@ -430,6 +430,17 @@ fn method_flags_parse_and_bad_values_fail() {
         lookahead(7, 5, 0),
         hybrid(3, 1, HybridModeArg::Scored),
         hybrid(30, 4, HybridModeArg::Scored),
+        // Sizes beyond any use (they would only allocate): bounded.
+        pld(1025, 10),
+        pld(3, 1 << 40),
+        lookahead(1 << 40, 5, 7),
+        lookahead(7, 1025, 7),
+        lookahead(7, 5, 1 << 40),
+        hybrid(4097, 1, HybridModeArg::Scored),
+        MethodArgs {
+            draft_len: 1025,
+            ..hybrid(30, 1, HybridModeArg::Simple)
+        },
     ] {
         assert!(make_drafter(&bad, 0).is_err(), "{bad:?} should be rejected");
     }

@@ -474,6 +474,34 @@ pub fn greedy(max_new: usize, stops: Vec<u32>) -> probespec::decode::generate::G
     }
 }
 
+/// Rewrites a GGUF file after `edit` changed its metadata and tensors (what a corrupt or inconsistent
+/// file looks like to the loader).
+pub fn edit_gguf(
+    path: &Path,
+    edit: impl FnOnce(&mut HashMap<String, gguf_file::Value>, &mut Vec<(String, QTensor)>),
+) {
+    let mut file = std::fs::File::open(path).unwrap();
+    let mut ct = gguf_file::Content::read(&mut file).unwrap();
+    let mut names: Vec<String> = ct.tensor_infos.keys().cloned().collect();
+    names.sort();
+    let mut tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|n| {
+            let t = ct.tensor(&mut file, &n, &Device::Cpu).unwrap();
+            (n, t)
+        })
+        .collect();
+    drop(file);
+    edit(&mut ct.metadata, &mut tensors);
+    let mut keys: Vec<&String> = ct.metadata.keys().collect();
+    keys.sort();
+    let md: Vec<(&str, &gguf_file::Value)> =
+        keys.into_iter().map(|k| (k.as_str(), &ct.metadata[k])).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &md, &t_refs).unwrap();
+}
+
 /// Two-sample chi-square homogeneity statistic over categories, pooling those with a combined count under
 /// 10 into one bin; returns (statistic, degrees of freedom).
 pub fn chi_square(a: &HashMap<u32, usize>, b: &HashMap<u32, usize>) -> (f64, usize) {
