@@ -486,7 +486,7 @@ fn huge_drafter_flags() {
         ),
         (
             vec!["--method", "hybrid", "--bc", huge],
-            "--bc 100000000000 is too large: it must be in 4..=4096",
+            "--bc 100000000000 is too large: it must be in 4..=1024",
         ),
         (
             vec!["--method", "esp", "--bc", huge],

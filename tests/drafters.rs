@@ -246,6 +246,24 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
     );
 }
 
+/// Lookahead windows and prompt-lookup chains longer than the KV cache's margin over the prompt and
+/// --max-new-tokens (256 rows), up to the flags' bounds: the prefill's probe rows fit the cache, and the
+/// output is plain decoding's.
+#[test]
+fn drafts_larger_than_the_cache_margin() {
+    let (_d, model) = common::load_tiny(&TinySpec::llama());
+    let configs = [
+        lookahead(300, 5, 7),
+        lookahead(1024, 1024, 1024),
+        pld(1024, 1024),
+        hybrid(1024, 1, HybridModeArg::Scored),
+    ];
+    let ps = prompts(3, 2..30, 27);
+    for max_new in [1, 3, 40] {
+        check_all(&model, &ps, &configs, &common::greedy(max_new, vec![]));
+    }
+}
+
 #[test]
 fn hybrid_beats_its_parents_on_repetitive_text() {
     // Not a benchmark: a sanity check that merging sources does not lose what each source finds alone.
@@ -403,7 +421,7 @@ fn method_flags_parse_and_bad_values_fail() {
         lookahead(1 << 40, 5, 7),
         lookahead(7, 1025, 7),
         lookahead(7, 5, 1 << 40),
-        hybrid(4097, 1, HybridModeArg::Scored),
+        hybrid(1025, 1, HybridModeArg::Scored),
         MethodArgs {
             draft_len: 1025,
             ..hybrid(30, 1, HybridModeArg::Simple)

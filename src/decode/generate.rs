@@ -95,6 +95,7 @@ pub fn generate(
         .len()
         .saturating_add(params.max_new_tokens)
         .saturating_add(256)
+        .max(prompt.len() + probes)
         .min(ctx.saturating_add(256));
     let mut cache: KvCache = model.new_cache(capacity)?;
     let mut x = model.embed(prompt)?;

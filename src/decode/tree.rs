@@ -568,7 +568,7 @@ pub fn block_complexity(k: usize, branches: &[usize]) -> usize {
 }
 
 /// Largest block complexity `--bc` takes: rows per forward pass, far above any useful setting.
-pub const MAX_BC: usize = 4096;
+pub const MAX_BC: usize = 1024;
 
 /// Node budget (`sum K_i`) for a block complexity: `BC / (k + 1) - 1` (rounded down). The smallest useful BC
 /// is `2 (k + 1)`: the root and one draft node, each with its k masks.
