@@ -420,6 +420,41 @@ fn gguf_with_zero_head_count() {
     );
 }
 
+/// candle's GGUF reader divides by `general.alignment`: 0 is refused before it reads; the default (32)
+/// loads as without the key.
+#[test]
+fn gguf_with_zero_alignment() {
+    use candle_core::quantized::gguf_file::Value;
+    let d = common::tempdir();
+    let p = d.path().join("m.gguf");
+    TinySpec::llama().write_gguf(&p);
+    let args = [
+        "--model",
+        p.to_str().unwrap(),
+        "--no-chat-template",
+        "--max-new-tokens",
+        "4",
+        "<s><s>", // the tiny byte-level vocabulary spells nothing else
+    ];
+    let (code, plain, err) = probespec(&args, None);
+    assert_eq!(code, 0, "{err}");
+    for (ty, value) in [("u32", Value::U32(32)), ("i8", Value::I8(32))] {
+        common::edit_gguf(&p, |md, _| {
+            md.insert("general.alignment".into(), value);
+        });
+        let (code, out, err) = probespec(&args, None);
+        assert_eq!(code, 0, "{ty}: {err}");
+        assert_eq!(out, plain, "{ty}");
+    }
+    for value in [Value::U32(0), Value::U8(0), Value::I16(0)] {
+        TinySpec::llama().write_gguf(&p); // candle's own reader cannot read a file of alignment 0
+        common::edit_gguf(&p, |md, _| {
+            md.insert("general.alignment".into(), value);
+        });
+        errors_with(&args, "is not a readable GGUF file: general.alignment is 0");
+    }
+}
+
 /// q/k matrices smaller than the head counts say, in the block format whose rows the loader reorders.
 #[test]
 fn gguf_with_attention_matrices_smaller_than_its_metadata() {

@@ -235,7 +235,19 @@ fn mutate_gguf_fields(path: &Path, rng: &mut StdRng) -> String {
     let mut what = String::new();
     common::edit_gguf(path, |md, tensors| {
         for _ in 0..rng.random_range(1..=2) {
-            if rng.random_bool(0.7) {
+            if rng.random_bool(0.1) {
+                // candle's reader divides by it.
+                let v = [
+                    Value::U32(0),
+                    Value::U8(0),
+                    Value::U32(1),
+                    Value::U32(64),
+                    Value::I32(-1),
+                ][rng.random_range(0..5)]
+                .clone();
+                what += &format!("general.alignment = {v:?}; ");
+                md.insert("general.alignment".into(), v);
+            } else if rng.random_bool(0.7) {
                 let mut keys: Vec<String> = md.keys().cloned().collect();
                 keys.sort();
                 let k = keys[rng.random_range(0..keys.len())].clone();

@@ -318,6 +318,12 @@ fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, dequantize: bool) -
 
 fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    if gguf_alignment(&mut file)? == Some(0) {
+        bail!(
+            "{} is not a readable GGUF file: general.alignment is 0",
+            path.display()
+        );
+    }
     let ct = gguf_file::Content::read(&mut file)
         .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
     let file_len = file.metadata()?.len();
@@ -445,6 +451,100 @@ fn build_from_gguf(
         None
     };
     Transformer::new(config, embed, layers, final_norm, lm_head, rope_factors)
+}
+
+/// The integer `general.alignment` of a GGUF file, read ahead of candle's reader, which divides by it
+/// (and panics when it is 0). `None` when the key is absent, not an integer candle reads, or the header
+/// is unreadable (candle then reports what is wrong). Leaves the file at its start.
+fn gguf_alignment(file: &mut std::fs::File) -> Result<Option<u64>> {
+    use std::io::{BufReader, Read, Seek, SeekFrom};
+    struct Scan<'a> {
+        r: BufReader<&'a mut std::fs::File>,
+        pos: u64,
+        len: u64,
+        /// Lengths are u64 from version 2 on, u32 before.
+        wide: bool,
+    }
+    impl Scan<'_> {
+        fn int(&mut self, bytes: usize) -> std::io::Result<u64> {
+            let mut b = [0u8; 8];
+            self.r.read_exact(&mut b[..bytes])?;
+            self.pos += bytes as u64;
+            Ok(u64::from_le_bytes(b))
+        }
+        fn length(&mut self) -> std::io::Result<u64> {
+            self.int(if self.wide { 8 } else { 4 })
+        }
+        /// Skips `n` bytes; false when that passes the end of the file.
+        fn skip_bytes(&mut self, n: u64) -> std::io::Result<bool> {
+            if n > self.len.saturating_sub(self.pos) {
+                return Ok(false);
+            }
+            self.r.seek_relative(n as i64)?;
+            self.pos += n;
+            Ok(true)
+        }
+        /// Skips a value of GGUF type `ty`; false when it cannot.
+        fn skip(&mut self, ty: u64, depth: usize) -> std::io::Result<bool> {
+            let size = match ty {
+                0 | 1 | 7 => 1,
+                2 | 3 => 2,
+                4..=6 => 4,
+                10..=12 => 8,
+                8 => self.length()?,
+                9 if depth < 4 => {
+                    let elem = self.int(4)?;
+                    for _ in 0..self.length()? {
+                        if !self.skip(elem, depth + 1)? {
+                            return Ok(false);
+                        }
+                    }
+                    0
+                }
+                _ => return Ok(false),
+            };
+            self.skip_bytes(size)
+        }
+        fn alignment(&mut self) -> std::io::Result<Option<u64>> {
+            if self.int(4)? != 0x4655_4747 {
+                return Ok(None);
+            }
+            self.wide = self.int(4)? >= 2;
+            let _tensors = self.length()?;
+            for _ in 0..self.length()? {
+                let key_len = self.length()?;
+                if key_len > self.len.saturating_sub(self.pos) {
+                    return Ok(None);
+                }
+                let mut key = vec![0u8; key_len as usize];
+                self.r.read_exact(&mut key)?;
+                self.pos += key_len;
+                let ty = self.int(4)?;
+                if key == b"general.alignment" {
+                    // The integer types candle takes the alignment from: u8, i8, u16, i16, u32, i32.
+                    return Ok(match ty {
+                        0..=5 => Some(self.int([1, 1, 2, 2, 4, 4][ty as usize])?),
+                        _ => None,
+                    });
+                }
+                if !self.skip(ty, 0)? {
+                    return Ok(None);
+                }
+            }
+            Ok(None)
+        }
+    }
+    let len = file.metadata()?.len();
+    let found = Scan {
+        r: BufReader::new(&mut *file),
+        pos: 0,
+        len,
+        wide: true,
+    }
+    .alignment()
+    .unwrap_or(None);
+    file.seek(SeekFrom::Start(0))?;
+    Ok(found)
 }
 
 /// The byte where a GGUF tensor's data ends, `None` when its declared size overflows.
