@@ -177,18 +177,27 @@ fn logits_after(model: &Transformer, context: &[u32], next: &[u32]) -> (Vec<f32>
     (first, after)
 }
 
-/// The exact joint probabilities `p(t1) p(t2 | t1)` for every `t1` in `first_tokens` and every `t2`, zeros
-/// included (the other `t1` are left out: their mass is pooled by the test).
+/// The exact joint probabilities `p(t1) p(t2 | t1)`, zeros included, for every `t2` and every `t1` that
+/// was observed (`first_tokens`) or has an expected count of at least 1 in `RUNS` runs: so every category
+/// the test can keep as a bin (expected count 5 or more) is listed whatever the samples; the mass of the
+/// others is pooled by the test.
 fn exact_pairs(
     model: &Transformer,
     context: &[u32],
     first_tokens: &[u32],
     params: &SamplingParams,
 ) -> HashMap<Pair, f64> {
-    let (l1, l2) = logits_after(model, context, first_tokens);
+    let (l1, _) = logits_after(model, context, &[]);
     let p1 = common::sampling_probs(&l1, params);
+    let mut firsts: Vec<u32> = (0..p1.len() as u32)
+        .filter(|&a| p1[a as usize] * RUNS as f64 >= 1.0)
+        .chain(first_tokens.iter().copied())
+        .collect();
+    firsts.sort();
+    firsts.dedup();
+    let (_, l2) = logits_after(model, context, &firsts);
     let mut joint = HashMap::new();
-    for &a in first_tokens {
+    for &a in &firsts {
         let p2 = common::sampling_probs(&l2[&a], params);
         for (b, &q) in p2.iter().enumerate() {
             joint.insert((a, b as u32), p1[a as usize] * q);
