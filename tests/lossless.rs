@@ -47,7 +47,7 @@ pub fn method(
     }
 }
 
-/// Every ESP configuration the issue names.
+/// Every ESP configuration: k = 1..=3 at BC 10/30/60, dynamic and static trees, --bc auto, explicit branches.
 fn esp_configs() -> Vec<MethodArgs> {
     let mut v = Vec::new();
     for k in 1..=3 {

@@ -18,7 +18,7 @@
 //! at Q-2, current guess at Q-1, output at Q). Each element there was computed by the model from the one
 //! before it (the window guesses at Q-1 are the previous step's outputs), as in LADE's 2-D window.
 //!
-//! **Deviations from LADE** (documented per the issue):
+//! **Deviations from LADE**:
 //! - LADE feeds N-1 window *levels* (the last N-1 Jacobi iterates, W tokens each) and each new token
 //!   attends along its diagonal trajectory through those levels. Here only the newest level is fed (W rows,
 //!   not (N-1) W); the older levels live in the drafter's memory and only serve to form n-grams. A window
