@@ -283,7 +283,10 @@ fn every_method_keeps_the_distribution(params: SamplingParams) -> HashMap<&'stat
     for (i, (name, m)) in methods().into_iter().enumerate() {
         let (counts, acc) = sample_pairs(&model, &context, &m, &params, i as u64 * RUNS);
         let (stat, df, crit) = fit(&model, &context, &counts, &params);
-        eprintln!("{name}: fit chi2 {stat:.1} (df {df}, critical {crit:.1}); t2 accepted as a draft in {acc} of {RUNS} runs");
+        eprintln!(
+            "{name}: fit chi2 {stat:.1} (df {df}, critical {crit:.1}); \
+             t2 accepted as a draft in {acc} of {RUNS} runs"
+        );
         assert!(
             stat < crit,
             "{name} {params:?}: chi2 {stat:.1} >= {crit:.1} (df {df}) against the exact distribution"
