@@ -450,11 +450,21 @@ pub fn main() -> i32 {
     };
     match result {
         Ok(()) => 0,
+        // A reader that stopped reading (`probespec ... | head`): end quietly, as Unix tools do.
+        Err(e) if is_broken_pipe(&e) => 0,
         Err(e) => {
             eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
             1
         }
     }
+}
+
+/// Whether an error comes from writing to a closed pipe.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
 }
 
 /// The prompt text: the argument, or stdin when absent or "-".

@@ -311,3 +311,319 @@ fn probespec_env(args: &[&str], env: &[(&str, &std::path::Path)]) -> (i32, Strin
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
 }
+
+/// Runs a command that must fail cleanly: exit status 1, exactly one line on stderr, `error: ` first and
+/// containing `needle`, no panic.
+fn errors_with(args: &[&str], needle: &str) {
+    let (code, _, err) = probespec(args, None);
+    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    assert_eq!(code, 1, "{args:?}: exit status {code}: {err}");
+    assert_eq!(
+        err.trim_end().lines().count(),
+        1,
+        "{args:?}: expected one line, got: {err}"
+    );
+    assert!(err.starts_with("error: "), "{args:?}: {err}");
+    assert!(err.contains(needle), "{args:?}: expected '{needle}' in: {err}");
+}
+
+/// A tiny LLaMA folder whose config.json has `field` set to `value` (removed when `value` is None).
+fn tiny_dir_with(field: &str, value: Option<serde_json::Value>) -> tempfile::TempDir {
+    let d = tiny_dir();
+    let mut cfg = TinySpec::llama().config_json();
+    match value {
+        Some(v) => cfg[field] = v,
+        None => {
+            cfg.as_object_mut().unwrap().remove(field);
+        }
+    }
+    std::fs::write(d.path().join("config.json"), cfg.to_string()).unwrap();
+    d
+}
+
+#[test]
+fn config_with_zero_attention_heads() {
+    let d = tiny_dir_with("num_attention_heads", Some(0.into()));
+    errors_with(
+        &["--model", d.path().to_str().unwrap(), "w5"],
+        "hidden size 64 is not a multiple of the attention head count 0",
+    );
+}
+
+#[test]
+fn config_with_zero_or_inconsistent_sizes() {
+    use serde_json::json;
+    for (field, value, needle) in [
+        (
+            "num_key_value_heads",
+            json!(0),
+            "invalid head counts: 4 attention heads, 0 key/value heads",
+        ),
+        (
+            "num_key_value_heads",
+            json!(3),
+            "invalid head counts: 4 attention heads, 3 key/value heads",
+        ),
+        (
+            "num_attention_heads",
+            json!(5),
+            "hidden size 64 is not a multiple of the attention head count 5",
+        ),
+        ("hidden_size", json!(0), "invalid head dimension 0"),
+        (
+            "num_hidden_layers",
+            json!(0),
+            "zero vocab_size, hidden_size or layer count",
+        ),
+        (
+            "vocab_size",
+            json!(0),
+            "zero vocab_size, hidden_size or layer count",
+        ),
+        ("intermediate_size", json!(0), "intermediate size 0"),
+        (
+            "num_hidden_layers",
+            json!(1u64 << 40),
+            "layer count 1099511627776 is larger than 4096",
+        ),
+        (
+            "max_position_embeddings",
+            json!(u64::MAX),
+            "context length 18446744073709551615 is larger",
+        ),
+        ("head_dim", json!(-1), "'head_dim' is not a non-negative integer"),
+        (
+            "hidden_size",
+            json!("64"),
+            "config.json's 'hidden_size' is missing or not a non-negative integer",
+        ),
+    ] {
+        let d = tiny_dir_with(field, Some(value));
+        errors_with(&["--model", d.path().to_str().unwrap(), "w5"], needle);
+    }
+}
+
+#[test]
+fn gguf_with_zero_head_count() {
+    let d = common::tempdir();
+    let p = d.path().join("m.gguf");
+    TinySpec::llama().write_gguf(&p);
+    common::edit_gguf(&p, |md, _| {
+        md.insert(
+            "llama.attention.head_count".into(),
+            candle_core::quantized::gguf_file::Value::U32(0),
+        );
+    });
+    errors_with(
+        &["--model", p.to_str().unwrap(), "w5"],
+        "invalid head counts: 0 attention heads, 2 key/value heads",
+    );
+}
+
+/// candle's GGUF reader divides by `general.alignment`: 0 is refused before it reads; the default (32)
+/// loads as without the key.
+#[test]
+fn gguf_with_zero_alignment() {
+    use candle_core::quantized::gguf_file::Value;
+    let d = common::tempdir();
+    let p = d.path().join("m.gguf");
+    TinySpec::llama().write_gguf(&p);
+    let args = [
+        "--model",
+        p.to_str().unwrap(),
+        "--no-chat-template",
+        "--max-new-tokens",
+        "4",
+        "<s><s>", // the tiny byte-level vocabulary spells nothing else
+    ];
+    let (code, plain, err) = probespec(&args, None);
+    assert_eq!(code, 0, "{err}");
+    for (ty, value) in [("u32", Value::U32(32)), ("i8", Value::I8(32))] {
+        common::edit_gguf(&p, |md, _| {
+            md.insert("general.alignment".into(), value);
+        });
+        let (code, out, err) = probespec(&args, None);
+        assert_eq!(code, 0, "{ty}: {err}");
+        assert_eq!(out, plain, "{ty}");
+    }
+    for value in [Value::U32(0), Value::U8(0), Value::I16(0)] {
+        TinySpec::llama().write_gguf(&p); // candle's own reader cannot read a file of alignment 0
+        common::edit_gguf(&p, |md, _| {
+            md.insert("general.alignment".into(), value);
+        });
+        errors_with(&args, "is not a readable GGUF file: general.alignment is 0");
+    }
+}
+
+/// q/k matrices smaller than the head counts say, in the block format whose rows the loader reorders.
+#[test]
+fn gguf_with_attention_matrices_smaller_than_its_metadata() {
+    use candle_core::quantized::{gguf_file::Value, GgmlDType, QTensor};
+    let d = common::tempdir();
+    let p = d.path().join("m.gguf");
+    let write = || TinySpec::llama().write_gguf_as(&p, |_| GgmlDType::Q4_0);
+    write();
+    common::edit_gguf(&p, |md, _| {
+        md.insert("llama.attention.head_count".into(), Value::U32(8));
+    });
+    errors_with(
+        &["--model", p.to_str().unwrap(), "w5"],
+        "tensor blk.0.attn_q.weight has shape [64, 64], but the metadata implies [128, 64]",
+    );
+    write();
+    common::edit_gguf(&p, |_, tensors| {
+        let k = tensors
+            .iter_mut()
+            .find(|(n, _)| n == "blk.1.attn_k.weight")
+            .unwrap();
+        let small = candle_core::Tensor::zeros((16, 64), candle_core::DType::F32, &candle_core::Device::Cpu);
+        k.1 = QTensor::quantize(&small.unwrap(), GgmlDType::Q4_0).unwrap();
+    });
+    errors_with(
+        &["--model", p.to_str().unwrap(), "w5"],
+        "tensor blk.1.attn_k.weight has shape [16, 64], but the metadata implies [32, 64]",
+    );
+}
+
+#[test]
+fn huge_drafter_flags() {
+    let d = tiny_dir();
+    let m = d.path().to_str().unwrap();
+    let huge = "100000000000";
+    for (flags, needle) in [
+        (
+            vec!["--method", "lookahead", "--lookahead-window", huge],
+            "--lookahead-window must be in 1..=1024 (got 100000000000)",
+        ),
+        (
+            vec!["--method", "lookahead", "--lookahead-guesses", huge],
+            "--lookahead-guesses must be in 1..=1024",
+        ),
+        (
+            vec!["--method", "lookahead", "--lookahead-ngram", huge],
+            "--lookahead-ngram must be in 2..=1024",
+        ),
+        (
+            vec!["--method", "pld", "--ngram", huge],
+            "--ngram must be in 1..=1024",
+        ),
+        (
+            vec!["--method", "pld", "--draft-len", huge],
+            "--draft-len must be in 1..=1024",
+        ),
+        (
+            vec!["--method", "hybrid", "--ngram", huge],
+            "--ngram must be in 1..=1024",
+        ),
+        (
+            vec!["--method", "hybrid", "--draft-len", huge],
+            "--draft-len must be in 1..=1024",
+        ),
+        (
+            vec!["--method", "hybrid", "--bc", huge],
+            "--bc 100000000000 is too large: it must be in 4..=1024",
+        ),
+        (
+            vec!["--method", "esp", "--bc", huge],
+            "--bc 100000000000 is too large",
+        ),
+        (vec!["--method", "esp", "--branches", huge], "each in 1..=1024"),
+    ] {
+        let mut args = vec!["--model", m];
+        args.extend(flags);
+        args.push("w5");
+        errors_with(&args, needle);
+    }
+}
+
+/// The largest `--max-new-tokens` means "until the context window or a stop token".
+#[test]
+fn max_new_tokens_at_the_integer_limit() {
+    let d = tiny_dir();
+    let m = d.path().to_str().unwrap();
+    for method in ["ar", "esp", "pld"] {
+        let (code, out, err) = probespec(
+            &[
+                "--model",
+                m,
+                "--method",
+                method,
+                "--json",
+                "--max-new-tokens",
+                "18446744073709551615",
+                "w5 w6 w7",
+            ],
+            None,
+        );
+        assert_eq!(code, 0, "{method}: {err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let reason = v["finish_reason"].as_str().unwrap();
+        assert!(
+            reason == "context_window" || reason == "stop_token",
+            "{method}: finish reason {reason}"
+        );
+    }
+}
+
+/// `probespec ... | head -c 10`: a reader that goes away ends the run quietly, with status 0.
+#[test]
+fn closed_stdout_ends_quietly() {
+    let d = tiny_dir();
+    let m = d.path().to_str().unwrap();
+    for json in [false, true] {
+        let mut args = vec!["--model", m, "--max-new-tokens", "64"];
+        if json {
+            args.push("--json");
+        }
+        args.push("-");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_probespec"))
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader closes its end before the prompt is even sent: every write to stdout fails.
+        drop(child.stdout.take());
+        child.stdin.take().unwrap().write_all(b"w5 w6 w7").unwrap();
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "json {json}: {err}");
+        assert!(err.is_empty(), "json {json}: {err}");
+    }
+}
+
+/// With RUST_BACKTRACE=1 an error is still one line, without candle's captured backtrace; backtraces asked
+/// for by name (RUST_LIB_BACKTRACE=1) still show, which shows the check below can see them.
+#[test]
+fn errors_stay_one_line_with_rust_backtrace() {
+    let d = common::tempdir();
+    let p = d.path().join("m.gguf");
+    std::fs::write(&p, b"GGUF this is not a gguf file at all, just some bytes").unwrap();
+    let run = |lib: Option<&str>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_probespec"));
+        cmd.args(["--model", p.to_str().unwrap(), "w5"])
+            .env("RUST_BACKTRACE", "1")
+            .env_remove("RUST_LIB_BACKTRACE")
+            .stdin(Stdio::null());
+        if let Some(v) = lib {
+            cmd.env("RUST_LIB_BACKTRACE", v);
+        }
+        let out = cmd.output().unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let has_frames = |err: &str| err.contains("Error::bt") || err.contains(" 0: ");
+    let (code, err) = run(None);
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert!(
+        err.starts_with("error: ") && err.contains("not a readable GGUF file"),
+        "{err}"
+    );
+    assert!(!has_frames(&err), "backtrace in the message: {err}");
+    let (_, err) = run(Some("1"));
+    assert!(has_frames(&err), "RUST_LIB_BACKTRACE=1 shows no backtrace: {err}");
+}

@@ -47,7 +47,8 @@ pub fn method(
     }
 }
 
-/// The paper's ESP configurations (docs/ESP.md) and more: k = 1..3 at BC 10, 30, 60.
+/// Every ESP configuration: k = 1..=3 at BC 10/30/60, dynamic and static trees, --bc auto, explicit branches
+/// (the paper's among them, docs/ESP.md).
 fn esp_configs() -> Vec<MethodArgs> {
     let mut v = Vec::new();
     for k in 1..=3 {
@@ -206,53 +207,45 @@ fn stop_token_and_length_limit_inside_an_accepted_path() {
     );
 }
 
+/// Determinism, not a distribution test (tests/sampling.rs tests the distribution): the verifier draws
+/// one random number per committed token, as plain decoding does, so under sampling ESP gives exactly plain
+/// sampling's tokens for the same seed, with drafts accepted along the way.
 #[test]
-fn sampling_keeps_the_model_distribution() {
-    // The 2nd and 3rd sampled tokens come from accepted drafts or bonus tokens under ESP; their distribution
-    // must equal plain sampling. Each position is one chi-square test at a 0.1% false-alarm rate (so the two
-    // together at about 0.2%), over 600 seeds per method.
+fn same_seed_gives_identical_output_under_sampling() {
     let mut spec = TinySpec::llama();
     spec.scale = 0.3; // sharper distributions: drafts get accepted under sampling too
     let (_d, model) = common::load_tiny(&spec);
     let prompt: Vec<u32> = vec![10, 20, 30, 10, 20, 30, 10, 20];
-    let esp = method(MethodArg::Esp, 30, 1, TreeArg::Dynamic, None);
-    let mut counts = vec![(std::collections::HashMap::new(), std::collections::HashMap::new()); 2];
-    let mut esp_committed_multi = 0;
-    for seed in 0..600u64 {
-        let params = GenerateParams {
-            max_new_tokens: 3,
-            sampling: SamplingParams {
-                temperature: 0.8,
-                top_p: 1.0,
-                top_k: 0,
-                seed,
-            },
-            stop_tokens: vec![],
-        };
-        let a = generate(&model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
-        let e = common::run(&model, &prompt, &esp, &params);
-        if e.stats.model_calls < 2 {
-            esp_committed_multi += 1;
-        }
-        for (pos, (ca, ce)) in counts.iter_mut().enumerate() {
-            *ca.entry(a.tokens[pos + 1]).or_insert(0usize) += 1;
-            *ce.entry(e.tokens[pos + 1]).or_insert(0usize) += 1;
+    let configs = [
+        method(MethodArg::Esp, 30, 1, TreeArg::Dynamic, None),
+        method(MethodArg::Esp, 60, 2, TreeArg::Static, None),
+    ];
+    let mut accepted = 0;
+    for seed in 0..30u64 {
+        for (temperature, top_p, top_k) in [(0.8, 1.0, 0), (1.3, 0.9, 0), (1.0, 1.0, 5)] {
+            let params = GenerateParams {
+                max_new_tokens: 16,
+                sampling: SamplingParams {
+                    temperature,
+                    top_p,
+                    top_k,
+                    seed,
+                },
+                stop_tokens: vec![],
+            };
+            let a = generate(&model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
+            for m in &configs {
+                let e = common::run(&model, &prompt, m, &params);
+                assert_eq!(e.tokens, a.tokens, "seed {seed}, {m:?}");
+                accepted += e.stats.committed_by_calls() - e.stats.model_calls;
+            }
         }
     }
+    eprintln!("drafts accepted: {accepted}");
     assert!(
-        esp_committed_multi > 30,
-        "drafts were accepted in only {esp_committed_multi} of 600 runs"
+        accepted >= 10,
+        "only {accepted} drafts accepted: too few to exercise acceptance"
     );
-    for (pos, (a, e)) in counts.iter().enumerate() {
-        let (stat, df) = common::chi_square(a, e);
-        assert!(df >= 1, "degenerate distribution at position {pos}");
-        let crit = common::chi_square_critical_001(df);
-        assert!(
-            stat < crit,
-            "position {}: chi2 {stat:.1} >= {crit:.1} (df {df})",
-            pos + 1
-        );
-    }
 }
 
 /// A GGUF in llama.cpp's block formats (Q8_0 embeddings, Q4_0 attention, Q4_1 MLP) runs through the CPU

@@ -7,6 +7,7 @@ use super::generate::{Draft, Drafter, Step};
 use super::method::MethodKind;
 use super::sampling::top_candidates;
 use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe, TokenTree};
+use super::MAX_DRAFT_FLAG;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
@@ -163,9 +164,12 @@ impl Esp {
             bail!("--masks must be 1, 2 or 3 (got {})", cfg.masks);
         }
         if let TreeShape::Static { branches } = &cfg.tree {
-            if branches.is_empty() || branches.len() > cfg.masks || branches.contains(&0) {
+            if branches.is_empty()
+                || branches.len() > cfg.masks
+                || branches.iter().any(|b| !(1..=MAX_DRAFT_FLAG).contains(b))
+            {
                 bail!(
-                    "--branches {:?} needs 1..={} positive entries (one per mask depth)",
+                    "--branches {:?} needs 1..={} entries (one per mask depth), each in 1..={MAX_DRAFT_FLAG}",
                     branches,
                     cfg.masks
                 );

@@ -134,12 +134,14 @@ pub fn generate_in(
     let probes = if prompt.len() + probes <= ctx { probes } else { 0 };
     cache.truncate(prompt.len() - 1);
     let reused = cache.len();
-    // Room for the answer and one more block, never more than the context window needs.
+    // Room for the answer and one more block (and the prefill's probes), never more than the context
+    // window needs.
     let capacity = prompt
         .len()
         .saturating_add(params.max_new_tokens)
         .saturating_add(256)
-        .min(ctx + 256);
+        .max(prompt.len() + probes)
+        .min(ctx.saturating_add(256));
     cache.reserve(capacity)?;
     let mut x = model.embed(&prompt[reused..])?;
     if probes > 0 {

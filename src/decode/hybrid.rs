@@ -22,11 +22,12 @@
 //! The draft depends only on the history and on the probes' logits, never on the step's own random draws:
 //! sample matching in the shared verifier keeps it exact under sampling.
 
+use super::check_flag;
 use super::esp::{mask_candidates, MaskEmbedding, MaskInit};
 use super::generate::{Draft, Drafter, Step};
 use super::method::MethodKind;
 use super::ngram::{distinct_matches, lookup};
-use super::tree::{dynamic_tree, esp_probes, Candidates, Probe, TokenTree};
+use super::tree::{dynamic_tree, esp_probes, Candidates, Probe, TokenTree, MAX_BC};
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -205,12 +206,14 @@ impl Hybrid {
         if !(1..=3).contains(&cfg.masks) {
             bail!("--masks must be 1, 2 or 3 (got {})", cfg.masks);
         }
-        if cfg.nodes == 0 {
-            bail!("the hybrid needs a node budget of at least 1");
+        if !(1..=MAX_BC).contains(&cfg.nodes) {
+            bail!(
+                "the hybrid needs a node budget in 1..={MAX_BC} (got {})",
+                cfg.nodes
+            );
         }
-        if cfg.max_ngram == 0 || cfg.draft_len == 0 {
-            bail!("--ngram and --draft-len must be at least 1");
-        }
+        check_flag("--ngram", cfg.max_ngram, 1)?;
+        check_flag("--draft-len", cfg.draft_len, 1)?;
         Ok(Hybrid {
             cfg,
             masks: None,

@@ -34,13 +34,14 @@
 //! 10/30/60 with (N, W, G) = (3, 4, 1), (4, 5, 5), (5, 8, 7); here those settings cost at most 7, 21 and
 //! 37 rows.
 
+use super::check_flag;
 use super::generate::{Draft, Drafter, Step};
 use super::method::MethodKind;
 use super::ngram::{insert_chain, NgramPool};
 use super::sampling::argmax;
 use super::tree::{Probe, TokenTree};
 use crate::model::Transformer;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -109,15 +110,9 @@ pub struct Lookahead {
 
 impl Lookahead {
     pub fn new(cfg: LookaheadConfig) -> Result<Self> {
-        if cfg.window == 0 {
-            bail!("--lookahead-window must be at least 1");
-        }
-        if cfg.ngram < 2 {
-            bail!("--lookahead-ngram must be at least 2 (got {})", cfg.ngram);
-        }
-        if cfg.guesses == 0 {
-            bail!("--lookahead-guesses must be at least 1");
-        }
+        check_flag("--lookahead-window", cfg.window, 1)?;
+        check_flag("--lookahead-ngram", cfg.ngram, 2)?;
+        check_flag("--lookahead-guesses", cfg.guesses, 1)?;
         Ok(Lookahead {
             cfg,
             pool: NgramPool::new(cfg.ngram, cfg.guesses),
@@ -187,7 +182,8 @@ impl Drafter for Lookahead {
     fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
         let root_pos = history.len() - 1;
         let w = self.cfg.window.min(max_rows.saturating_sub(1));
-        let mut tree = TokenTree::with_capacity(root, 1 + self.cfg.guesses * (self.cfg.ngram - 1));
+        let nodes = 1 + self.cfg.guesses * (self.cfg.ngram - 1);
+        let mut tree = TokenTree::with_capacity(root, nodes.min(max_rows.max(1)));
         let mut room = max_rows.saturating_sub(1 + w);
         for cont in self.pool.get(root).take(self.cfg.guesses) {
             let before = tree.len();

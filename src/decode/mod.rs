@@ -13,3 +13,16 @@ pub mod pld;
 pub mod sampling;
 pub mod stats;
 pub mod tree;
+
+/// Largest value a drafter's size flag takes (`--ngram`, `--draft-len`, `--lookahead-window`,
+/// `--lookahead-ngram`, `--lookahead-guesses`, each `--branches` entry). Far above any useful setting: a
+/// step's block is cut to the context window anyway, so larger values would only allocate.
+pub const MAX_DRAFT_FLAG: usize = 1024;
+
+/// Checks a drafter's size flag against `min..=MAX_DRAFT_FLAG`, with an error naming the flag.
+pub fn check_flag(flag: &str, value: usize, min: usize) -> anyhow::Result<()> {
+    if !(min..=MAX_DRAFT_FLAG).contains(&value) {
+        anyhow::bail!("{flag} must be in {min}..={MAX_DRAFT_FLAG} (got {value})");
+    }
+    Ok(())
+}

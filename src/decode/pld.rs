@@ -8,6 +8,7 @@
 //! which follows the text being produced now (a repeated list item, the current sentence of a copied
 //! passage) more closely.
 
+use super::check_flag;
 use super::generate::{Draft, Drafter, Step};
 use super::method::MethodKind;
 use super::ngram;
@@ -39,12 +40,8 @@ pub struct Pld {
 
 impl Pld {
     pub fn new(cfg: PldConfig) -> Result<Self> {
-        if cfg.max_ngram == 0 {
-            bail!("--ngram must be at least 1");
-        }
-        if cfg.draft_len == 0 {
-            bail!("--draft-len must be at least 1");
-        }
+        check_flag("--ngram", cfg.max_ngram, 1)?;
+        check_flag("--draft-len", cfg.draft_len, 1)?;
         Ok(Pld { cfg })
     }
 }

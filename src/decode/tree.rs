@@ -539,6 +539,9 @@ pub fn block_complexity(k: usize, branches: &[usize]) -> usize {
     (k + 1) * (1 + branches.iter().sum::<usize>())
 }
 
+/// Largest block complexity `--bc` takes: rows per forward pass, far above any useful setting.
+pub const MAX_BC: usize = 1024;
+
 /// Node budget (`sum K_i`) for a block complexity: `BC / (k + 1) - 1` (rounded down). The smallest useful BC
 /// is `2 (k + 1)`: the root and one draft node, each with its k masks.
 pub fn node_budget(bc: usize, k: usize) -> Result<usize, String> {
@@ -548,6 +551,9 @@ pub fn node_budget(bc: usize, k: usize) -> Result<usize, String> {
             "--bc {bc} is too small for --masks {k}: needs at least {min} \
              (the root and one draft token, each with {k} mask(s))"
         ));
+    }
+    if bc > MAX_BC {
+        return Err(format!("--bc {bc} is too large: it must be in {min}..={MAX_BC}"));
     }
     Ok(bc / (k + 1) - 1)
 }

@@ -23,6 +23,26 @@ impl Arch {
     }
 }
 
+/// Largest vocabulary a config may declare.
+const MAX_VOCAB: usize = 1 << 22;
+/// Largest hidden or intermediate size a config may declare.
+const MAX_WIDTH: usize = 1 << 18;
+/// Largest layer count, head count or head dimension a config may declare.
+const MAX_COUNT: usize = 1 << 12;
+/// Largest context length a config may declare (the RoPE tables are allocated for all of it).
+const MAX_POSITIONS: usize = 1 << 20;
+
+/// `hidden / heads` for configs without an explicit head dimension: defined only when it divides evenly.
+fn derived_head_dim(hidden: usize, heads: usize) -> Result<usize> {
+    if heads == 0 || !hidden.is_multiple_of(heads) {
+        bail!(
+            "invalid config: no explicit head dimension, and the hidden size {hidden} is not a multiple of \
+             the attention head count {heads}"
+        );
+    }
+    Ok(hidden / heads)
+}
+
 /// LLaMA 3.1's long-context RoPE rescaling (`rope_scaling.rope_type = "llama3"`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Llama3RopeScaling {
@@ -69,7 +89,7 @@ impl ModelConfig {
         let req = |k: &str| -> Result<usize> {
             v[k].as_u64()
                 .map(|x| x as usize)
-                .with_context(|| format!("config.json lacks '{k}'"))
+                .with_context(|| format!("config.json's '{k}' is missing or not a non-negative integer"))
         };
         let hidden_size = req("hidden_size")?;
         let num_heads = req("num_attention_heads")?;
@@ -77,10 +97,13 @@ impl ModelConfig {
             .as_u64()
             .map(|x| x as usize)
             .unwrap_or(num_heads);
-        let head_dim = v["head_dim"]
-            .as_u64()
-            .map(|x| x as usize)
-            .unwrap_or(hidden_size / num_heads);
+        let head_dim = match v.get("head_dim") {
+            None | Some(serde_json::Value::Null) => derived_head_dim(hidden_size, num_heads)?,
+            Some(h) => h
+                .as_u64()
+                .map(|x| x as usize)
+                .context("config.json's 'head_dim' is not a non-negative integer")?,
+        };
         let rope_scaling = match v.get("rope_scaling") {
             Some(rs) if rs.is_object() => {
                 let kind = rs["rope_type"]
@@ -89,7 +112,10 @@ impl ModelConfig {
                     .unwrap_or("default");
                 match kind {
                     "llama3" => Some(Llama3RopeScaling {
-                        factor: rs["factor"].as_f64().context("rope_scaling.factor")? as f32,
+                        factor: rs["factor"]
+                            .as_f64()
+                            .context("config.json's rope_scaling.factor is missing or not a number")?
+                            as f32,
                         low_freq_factor: rs["low_freq_factor"].as_f64().unwrap_or(1.0) as f32,
                         high_freq_factor: rs["high_freq_factor"].as_f64().unwrap_or(4.0) as f32,
                         original_max_position_embeddings: rs["original_max_position_embeddings"]
@@ -153,7 +179,10 @@ impl ModelConfig {
         let hidden_size = req_u("embedding_length")?;
         let num_heads = req_u("attention.head_count")?;
         let num_kv_heads = req_u("attention.head_count_kv").unwrap_or(num_heads);
-        let head_dim = req_u("attention.key_length").unwrap_or(hidden_size / num_heads);
+        let head_dim = match get("attention.key_length") {
+            None => derived_head_dim(hidden_size, num_heads)?,
+            Some(_) => req_u("attention.key_length")?,
+        };
         let tok_u32 = |k: &str| md.get(k).and_then(|v| v.to_u32().ok());
         let cfg = ModelConfig {
             arch,
@@ -183,6 +212,40 @@ impl ModelConfig {
     }
 
     fn validate(&self) -> Result<()> {
+        // Sizes far beyond any real checkpoint: a corrupt file, refused before anything is allocated.
+        for (what, n, max) in [
+            ("vocabulary size", self.vocab_size, MAX_VOCAB),
+            ("hidden size", self.hidden_size, MAX_WIDTH),
+            ("intermediate size", self.intermediate_size, MAX_WIDTH),
+            ("layer count", self.num_layers, MAX_COUNT),
+            ("attention head count", self.num_heads, MAX_COUNT),
+            ("key/value head count", self.num_kv_heads, MAX_COUNT),
+            ("head dimension", self.head_dim, MAX_COUNT),
+            ("context length", self.max_position_embeddings, MAX_POSITIONS),
+        ] {
+            if n > max {
+                bail!("invalid config: {what} {n} is larger than {max}");
+            }
+        }
+        if self.intermediate_size == 0 || self.max_position_embeddings == 0 {
+            bail!(
+                "invalid config: intermediate size {} and context length {} must be positive",
+                self.intermediate_size,
+                self.max_position_embeddings
+            );
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            bail!(
+                "invalid config: rms_norm_eps {} is not a non-negative number",
+                self.rms_norm_eps
+            );
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!(
+                "invalid config: rope_theta {} is not a positive number",
+                self.rope_theta
+            );
+        }
         if self.num_heads == 0 || self.num_kv_heads == 0 || !self.num_heads.is_multiple_of(self.num_kv_heads)
         {
             bail!(

@@ -318,12 +318,22 @@ fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, dequantize: bool) -
 
 fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    if gguf_alignment(&mut file)? == Some(0) {
+        bail!(
+            "{} is not a readable GGUF file: general.alignment is 0",
+            path.display()
+        );
+    }
     let ct = gguf_file::Content::read(&mut file)
         .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
     let file_len = file.metadata()?.len();
     for (name, info) in &ct.tensor_infos {
-        let bytes = info.shape.elem_count() / info.ggml_dtype.block_size() * info.ggml_dtype.type_size();
-        let end = ct.tensor_data_offset + info.offset + bytes as u64;
+        let Some(end) = tensor_end(ct.tensor_data_offset, info) else {
+            bail!(
+                "{} is corrupt: tensor {name} has an impossible size",
+                path.display()
+            );
+        };
         if end > file_len {
             bail!(
                 "{} is truncated: tensor {name} ends at byte {end} but the file has {file_len} bytes",
@@ -331,6 +341,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             );
         }
     }
+    check_gguf_shapes(&ct).with_context(|| format!("{} is not a usable model", path.display()))?;
     let tokenizer =
         TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
     let model =
@@ -440,6 +451,173 @@ fn build_from_gguf(
         None
     };
     Transformer::new(config, embed, layers, final_norm, lm_head, rope_factors)
+}
+
+/// The integer `general.alignment` of a GGUF file, read ahead of candle's reader, which divides by it
+/// (and panics when it is 0). `None` when the key is absent, not an integer candle reads, or the header
+/// is unreadable (candle then reports what is wrong). Leaves the file at its start.
+fn gguf_alignment(file: &mut std::fs::File) -> Result<Option<u64>> {
+    use std::io::{BufReader, Read, Seek, SeekFrom};
+    struct Scan<'a> {
+        r: BufReader<&'a mut std::fs::File>,
+        pos: u64,
+        len: u64,
+        /// Lengths are u64 from version 2 on, u32 before.
+        wide: bool,
+    }
+    impl Scan<'_> {
+        fn int(&mut self, bytes: usize) -> std::io::Result<u64> {
+            let mut b = [0u8; 8];
+            self.r.read_exact(&mut b[..bytes])?;
+            self.pos += bytes as u64;
+            Ok(u64::from_le_bytes(b))
+        }
+        fn length(&mut self) -> std::io::Result<u64> {
+            self.int(if self.wide { 8 } else { 4 })
+        }
+        /// Skips `n` bytes; false when that passes the end of the file.
+        fn skip_bytes(&mut self, n: u64) -> std::io::Result<bool> {
+            if n > self.len.saturating_sub(self.pos) {
+                return Ok(false);
+            }
+            self.r.seek_relative(n as i64)?;
+            self.pos += n;
+            Ok(true)
+        }
+        /// Skips a value of GGUF type `ty`; false when it cannot.
+        fn skip(&mut self, ty: u64, depth: usize) -> std::io::Result<bool> {
+            let size = match ty {
+                0 | 1 | 7 => 1,
+                2 | 3 => 2,
+                4..=6 => 4,
+                10..=12 => 8,
+                8 => self.length()?,
+                9 if depth < 4 => {
+                    let elem = self.int(4)?;
+                    for _ in 0..self.length()? {
+                        if !self.skip(elem, depth + 1)? {
+                            return Ok(false);
+                        }
+                    }
+                    0
+                }
+                _ => return Ok(false),
+            };
+            self.skip_bytes(size)
+        }
+        fn alignment(&mut self) -> std::io::Result<Option<u64>> {
+            if self.int(4)? != 0x4655_4747 {
+                return Ok(None);
+            }
+            self.wide = self.int(4)? >= 2;
+            let _tensors = self.length()?;
+            for _ in 0..self.length()? {
+                let key_len = self.length()?;
+                if key_len > self.len.saturating_sub(self.pos) {
+                    return Ok(None);
+                }
+                let mut key = vec![0u8; key_len as usize];
+                self.r.read_exact(&mut key)?;
+                self.pos += key_len;
+                let ty = self.int(4)?;
+                if key == b"general.alignment" {
+                    // The integer types candle takes the alignment from: u8, i8, u16, i16, u32, i32.
+                    return Ok(match ty {
+                        0..=5 => Some(self.int([1, 1, 2, 2, 4, 4][ty as usize])?),
+                        _ => None,
+                    });
+                }
+                if !self.skip(ty, 0)? {
+                    return Ok(None);
+                }
+            }
+            Ok(None)
+        }
+    }
+    let len = file.metadata()?.len();
+    let found = Scan {
+        r: BufReader::new(&mut *file),
+        pos: 0,
+        len,
+        wide: true,
+    }
+    .alignment()
+    .unwrap_or(None);
+    file.seek(SeekFrom::Start(0))?;
+    Ok(found)
+}
+
+/// The byte where a GGUF tensor's data ends, `None` when its declared size overflows.
+fn tensor_end(data_offset: u64, info: &gguf_file::TensorInfo) -> Option<u64> {
+    let elems = info
+        .shape
+        .dims()
+        .iter()
+        .try_fold(1u64, |n, &d| n.checked_mul(d as u64))?;
+    let bytes =
+        (elems / info.ggml_dtype.block_size() as u64).checked_mul(info.ggml_dtype.type_size() as u64)?;
+    data_offset.checked_add(info.offset)?.checked_add(bytes)
+}
+
+/// Every tensor the model reads has the shape its metadata implies, checked before anything is read,
+/// reordered or reshaped.
+fn check_gguf_shapes(ct: &gguf_file::Content) -> Result<()> {
+    let dims = |name: &str| -> Result<&[usize]> {
+        Ok(ct
+            .tensor_infos
+            .get(name)
+            .with_context(|| format!("tensor {name} is missing"))?
+            .shape
+            .dims())
+    };
+    let &[vocab, _] = dims("token_embd.weight")? else {
+        bail!(
+            "tensor token_embd.weight has shape {:?}, expected two dimensions",
+            dims("token_embd.weight")?
+        );
+    };
+    let tied = !ct.tensor_infos.contains_key("output.weight");
+    let c = ModelConfig::from_gguf(&ct.metadata, vocab, tied)?;
+    let (d, hd, ff) = (c.hidden_size, c.head_dim, c.intermediate_size);
+    let (q_rows, kv_rows) = (c.num_heads * hd, c.num_kv_heads * hd);
+    let mut want: Vec<(String, Vec<usize>)> = vec![
+        ("token_embd.weight".into(), vec![vocab, d]),
+        ("output_norm.weight".into(), vec![d]),
+    ];
+    if !tied {
+        want.push(("output.weight".into(), vec![vocab, d]));
+    }
+    if ct.tensor_infos.contains_key("rope_freqs.weight") {
+        want.push(("rope_freqs.weight".into(), vec![hd / 2]));
+    }
+    for i in 0..c.num_layers {
+        let mut layer = vec![
+            ("attn_norm", vec![d]),
+            ("ffn_norm", vec![d]),
+            ("attn_q", vec![q_rows, d]),
+            ("attn_k", vec![kv_rows, d]),
+            ("attn_v", vec![kv_rows, d]),
+            ("attn_output", vec![d, q_rows]),
+            ("ffn_gate", vec![ff, d]),
+            ("ffn_up", vec![ff, d]),
+            ("ffn_down", vec![d, ff]),
+        ];
+        if c.qk_norm() {
+            layer.extend([("attn_q_norm", vec![hd]), ("attn_k_norm", vec![hd])]);
+        }
+        want.extend(
+            layer
+                .into_iter()
+                .map(|(name, shape)| (format!("blk.{i}.{name}.weight"), shape)),
+        );
+    }
+    for (name, shape) in want {
+        let got = dims(&name)?;
+        if got != shape.as_slice() {
+            bail!("tensor {name} has shape {got:?}, but the metadata implies {shape:?}");
+        }
+    }
+    Ok(())
 }
 
 /// Row order that turns llama.cpp's interleaved q/k rows back into Hugging Face order:

@@ -474,11 +474,125 @@ pub fn greedy(max_new: usize, stops: Vec<u32>) -> probespec::decode::generate::G
     }
 }
 
+/// Rewrites a GGUF file after `edit` changed its metadata and tensors (what a corrupt or inconsistent
+/// file looks like to the loader).
+pub fn edit_gguf(
+    path: &Path,
+    edit: impl FnOnce(&mut HashMap<String, gguf_file::Value>, &mut Vec<(String, QTensor)>),
+) {
+    let mut file = std::fs::File::open(path).unwrap();
+    let mut ct = gguf_file::Content::read(&mut file).unwrap();
+    let mut names: Vec<String> = ct.tensor_infos.keys().cloned().collect();
+    names.sort();
+    let mut tensors: Vec<(String, QTensor)> = names
+        .into_iter()
+        .map(|n| {
+            let t = ct.tensor(&mut file, &n, &Device::Cpu).unwrap();
+            (n, t)
+        })
+        .collect();
+    drop(file);
+    edit(&mut ct.metadata, &mut tensors);
+    let mut keys: Vec<&String> = ct.metadata.keys().collect();
+    keys.sort();
+    let md: Vec<(&str, &gguf_file::Value)> =
+        keys.into_iter().map(|k| (k.as_str(), &ct.metadata[k])).collect();
+    let t_refs: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let mut f = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut f, &md, &t_refs).unwrap();
+}
+
+/// The distribution `probespec::decode::sampling::Sampler::pick` draws from for a row of logits, computed
+/// independently in f64 from the rules its documentation states: softmax of `logits / temperature`; with
+/// top-k, the k most likely tokens (ties: lower id first); with top-p < 1, of those sorted by probability,
+/// the shortest prefix whose renormalised cumulative probability reaches top-p; renormalised. Panics when
+/// the nucleus boundary is too close to call in f32 (the test's context would then be ambiguous).
+pub fn sampling_probs(logits: &[f32], p: &probespec::decode::sampling::SamplingParams) -> Vec<f64> {
+    assert!(p.temperature > 0.0, "greedy decoding has no distribution to test");
+    let t = p.temperature as f64;
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut w: Vec<(usize, f64)> = logits
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (i, ((l as f64 - max) / t).exp()))
+        .collect();
+    w.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    if p.top_k > 0 {
+        w.truncate(p.top_k);
+    }
+    if p.top_p < 1.0 {
+        let total: f64 = w.iter().map(|x| x.1).sum();
+        let mut acc = 0.0;
+        let mut keep = w.len();
+        for (i, x) in w.iter().enumerate() {
+            acc += x.1 / total;
+            if acc >= p.top_p as f64 {
+                assert!(
+                    (acc - p.top_p as f64).abs() > 1e-5 && (acc - x.1 / total - p.top_p as f64).abs() > 1e-5,
+                    "nucleus boundary within 1e-5 of top-p: ambiguous in f32"
+                );
+                keep = i + 1;
+                break;
+            }
+        }
+        w.truncate(keep);
+    }
+    let total: f64 = w.iter().map(|x| x.1).sum();
+    let mut probs = vec![0.0; logits.len()];
+    for (i, x) in w {
+        probs[i] = x / total;
+    }
+    probs
+}
+
+/// Pearson chi-square goodness of fit of observed `counts` to category probabilities `probs` (which may
+/// leave out categories: their mass is pooled). Categories with an expected count under 5 are pooled into
+/// one bin, which joins the smallest kept bin when its own expected count is under 5. The statistic is
+/// infinite when a category of probability 0 was observed. Returns (statistic, degrees of freedom).
+pub fn chi_square_gof<K: Copy + Ord + std::hash::Hash>(
+    counts: &HashMap<K, usize>,
+    probs: &HashMap<K, f64>,
+) -> (f64, usize) {
+    let n = counts.values().sum::<usize>() as f64;
+    let impossible = counts
+        .iter()
+        .any(|(k, &c)| c > 0 && probs.get(k).is_some_and(|&p| p <= 0.0));
+    let mut cats: Vec<(K, f64)> = probs.iter().map(|(&k, &p)| (k, p)).collect();
+    cats.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let mut bins: Vec<(f64, f64)> = Vec::new(); // (observed, expected)
+    for (k, p) in cats {
+        if n * p < 5.0 {
+            break;
+        }
+        bins.push((*counts.get(&k).unwrap_or(&0) as f64, n * p));
+    }
+    let rest = (
+        n - bins.iter().map(|b| b.0).sum::<f64>(),
+        (n - bins.iter().map(|b| b.1).sum::<f64>()).max(0.0),
+    );
+    if rest.1 >= 5.0 || bins.is_empty() {
+        bins.push(rest);
+    } else {
+        let last = bins.last_mut().unwrap();
+        last.0 += rest.0;
+        last.1 += rest.1;
+    }
+    let stat = if impossible {
+        f64::INFINITY
+    } else {
+        bins.iter().map(|(o, e)| (o - e).powi(2) / e).sum()
+    };
+    (stat, bins.len().saturating_sub(1))
+}
+
 /// Two-sample chi-square homogeneity statistic over categories, pooling those with a combined count under
 /// 10 into one bin; returns (statistic, degrees of freedom).
-pub fn chi_square(a: &HashMap<u32, usize>, b: &HashMap<u32, usize>) -> (f64, usize) {
+pub fn chi_square<K: Copy + Ord + std::hash::Hash>(
+    a: &HashMap<K, usize>,
+    b: &HashMap<K, usize>,
+) -> (f64, usize) {
     let (na, nb) = (a.values().sum::<usize>() as f64, b.values().sum::<usize>() as f64);
-    let mut keys: Vec<u32> = a.keys().chain(b.keys()).copied().collect();
+    let mut keys: Vec<K> = a.keys().chain(b.keys()).copied().collect();
     keys.sort();
     keys.dedup();
     let (mut bins, mut rest) = (Vec::new(), (0.0, 0.0));
