@@ -5,11 +5,10 @@
 use crate::bench::cost::CostOptions;
 use crate::bench::export::Format;
 use crate::bench::runner::BenchOptions;
-use crate::decode::esp::MaskInit;
 use crate::decode::generate::GenerateParams;
-use crate::decode::lookahead::LookaheadConfig;
-use crate::decode::method::{Budget, EspSpec, EspTree, HybridSpec, Masks, Method, MethodKind};
-use crate::decode::pld::PldConfig;
+use crate::decode::method::{
+    Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, MaskInit, Masks, Method, MethodKind, PldConfig,
+};
 use crate::decode::sampling::SamplingParams;
 use crate::session::{DeviceKind, ModelOptions, Session};
 use crate::tokenizer::StreamDecoder;

@@ -6,7 +6,7 @@
 //! (`--shape llama3-8b`: the cost depends on shapes, not values), on any device and dtype, and prints
 //! the median of `--repeats` runs per point and the ratio to one row.
 
-use crate::decode::auto_bc::time_step;
+use crate::decode::drafters::auto_bc::time_step;
 use crate::model::synthetic::{random_model, shape_config};
 use crate::model::{BlockMask, KvCache, Transformer};
 use crate::session::{ModelOptions, Session};

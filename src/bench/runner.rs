@@ -10,11 +10,10 @@ use super::records::{
     complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
     Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
 };
-use crate::decode::esp::MaskInit;
 use crate::decode::generate::{generate, GenerateParams};
-use crate::decode::lookahead::LookaheadConfig;
-use crate::decode::method::{Budget, EspSpec, EspTree, HybridSpec, Masks, Method, MethodKind};
-use crate::decode::pld::PldConfig;
+use crate::decode::method::{
+    Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, MaskInit, Masks, Method, MethodKind, PldConfig,
+};
 use crate::decode::sampling::SamplingParams;
 use crate::model::Transformer;
 use crate::session::{encode_prompt, DeviceKind, ModelOptions, Session};

@@ -4,10 +4,11 @@
 //! root + accepted path in the KV cache -> hand the probes' logits back to the drafter }.
 //! Verification, cache compaction, stopping rules and statistics are written here once.
 
+use super::layout::{LayoutCache, Probe};
 use super::method::MethodKind;
 use super::sampling::{Sampler, SamplingParams};
 use super::stats::DecodeStats;
-use super::tree::{accept, LayoutCache, Probe, TokenTree};
+use super::tree::{accept, TokenTree};
 use crate::model::{BlockMask, KvCache, Transformer};
 use anyhow::{bail, Result};
 use candle_core::Tensor;

@@ -2,13 +2,16 @@
 //! parameters are checked and its drafter is built; the CLI's flags and the benchmark's configurations
 //! convert into a [`Method`].
 
-use super::ar::Autoregressive;
-use super::esp::{Esp, EspConfig, MaskInit, TreeShape};
+use super::budget::node_budget;
+use super::drafters::ar::Autoregressive;
+pub use super::drafters::esp::MaskInit;
+use super::drafters::esp::{Esp, EspConfig, TreeShape};
+use super::drafters::hybrid::{Hybrid, HybridConfig};
+use super::drafters::lookahead::Lookahead;
+pub use super::drafters::lookahead::LookaheadConfig;
+use super::drafters::pld::Pld;
+pub use super::drafters::pld::PldConfig;
 use super::generate::Drafter;
-use super::hybrid::{Hybrid, HybridConfig};
-use super::lookahead::{Lookahead, LookaheadConfig};
-use super::pld::{Pld, PldConfig};
-use super::tree::node_budget;
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;

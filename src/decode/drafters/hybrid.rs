@@ -22,12 +22,15 @@
 //! The draft depends only on the history and on the probes' logits, never on the step's own random draws:
 //! sample matching in the shared verifier keeps it exact under sampling.
 
-use super::check_flag;
+use super::candidates::{dynamic_tree, Candidates};
 use super::esp::{mask_candidates, MaskEmbedding, MaskInit};
-use super::generate::{Draft, Drafter, Step};
-use super::method::MethodKind;
 use super::ngram::{distinct_matches, lookup};
-use super::tree::{dynamic_tree, esp_probes, Candidates, Probe, TokenTree, MAX_BC};
+use crate::decode::budget::{nodes_within, MAX_BC};
+use crate::decode::check_flag;
+use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::layout::{esp_probes, Probe};
+use crate::decode::method::MethodKind;
+use crate::decode::tree::TokenTree;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;
@@ -338,7 +341,7 @@ impl Drafter for Hybrid {
 
     fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
         let k = self.cfg.masks;
-        let budget = self.cfg.nodes.min((max_rows / (k + 1)).saturating_sub(1));
+        let budget = self.cfg.nodes.min(nodes_within(max_rows, k));
         if max_rows < k + 1 {
             self.last = None;
             return Draft::root_only(root);

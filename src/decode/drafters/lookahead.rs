@@ -34,12 +34,13 @@
 //! 10/30/60 with (N, W, G) = (3, 4, 1), (4, 5, 5), (5, 8, 7); here those settings cost at most 7, 21 and
 //! 37 rows.
 
-use super::check_flag;
-use super::generate::{Draft, Drafter, Step};
-use super::method::MethodKind;
 use super::ngram::{insert_chain, NgramPool};
-use super::sampling::argmax;
-use super::tree::{Probe, TokenTree};
+use crate::decode::check_flag;
+use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::layout::Probe;
+use crate::decode::method::MethodKind;
+use crate::decode::sampling::argmax;
+use crate::decode::tree::TokenTree;
 use crate::model::Transformer;
 use anyhow::Result;
 use candle_core::Tensor;

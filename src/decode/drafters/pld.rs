@@ -8,11 +8,12 @@
 //! which follows the text being produced now (a repeated list item, the current sentence of a copied
 //! passage) more closely.
 
-use super::check_flag;
-use super::generate::{Draft, Drafter, Step};
-use super::method::MethodKind;
 use super::ngram;
-use super::tree::{Probe, TokenTree};
+use crate::decode::check_flag;
+use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::layout::Probe;
+use crate::decode::method::MethodKind;
+use crate::decode::tree::TokenTree;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;

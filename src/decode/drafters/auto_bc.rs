@@ -7,6 +7,7 @@
 //! dynamic tree of `B` nodes with one mask depth accepts its first level when that rank is below `B`, so
 //! the rank histogram prices every budget at once, whichever budget was in use when it was observed.
 
+use crate::decode::budget::rows_for;
 use crate::model::{BlockMask, KvCache, Transformer};
 use anyhow::Result;
 use candle_core::{DType, Tensor};
@@ -163,7 +164,7 @@ impl AutoBudget {
         if budget == 0 {
             return 1.0 / self.curve.cost(1);
         }
-        let rows = (self.masks + 1) * (1 + budget);
+        let rows = rows_for(self.masks, budget);
         let p = self.accept_probability(budget);
         (1.0 + p) / (self.curve.cost(rows) + p * self.curve.extra_logits_seconds)
     }

@@ -4,7 +4,7 @@
 //!
 //! Plain data, no tensors; everything here runs once per decoding step on a few thousand tokens at most.
 
-use super::tree::TokenTree;
+use crate::decode::tree::TokenTree;
 use std::collections::HashMap;
 
 /// One prompt-lookup match: the last `n` tokens of the history also occur at `start..start + n`, and

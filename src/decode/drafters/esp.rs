@@ -3,11 +3,13 @@
 //! j + 1 places after that node. The masks of the deepest accepted node seed the next step's tree.
 
 use super::auto_bc::{self, AutoBudget, CostCurve};
-use super::generate::{Draft, Drafter, Step};
-use super::method::MethodKind;
-use super::sampling::top_candidates;
-use super::tree::{dynamic_tree, esp_probes, static_tree, Candidates, Probe, TokenTree};
-use super::MAX_DRAFT_FLAG;
+use super::candidates::{dynamic_tree, static_tree, Candidates};
+use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::layout::{esp_probes, Probe};
+use crate::decode::method::MethodKind;
+use crate::decode::sampling::top_candidates;
+use crate::decode::tree::TokenTree;
+use crate::decode::MAX_DRAFT_FLAG;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};

@@ -1,9 +1,9 @@
 //! Plain autoregressive decoding: the root alone, one token per model call. The reference every other
 //! strategy must reproduce token for token.
 
-use super::generate::{Draft, Drafter, Step};
-use super::method::MethodKind;
-use super::tree::Probe;
+use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::layout::Probe;
+use crate::decode::method::MethodKind;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;

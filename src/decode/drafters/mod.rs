@@ -1,0 +1,20 @@
+//! The drafters: what each method proposes per step (a candidate tree and probe rows) and what it learns
+//! from the verified step. Verification, KV compaction and statistics live in the shared loop
+//! (`decode::generate`), not here.
+
+/// Plain decoding: the root alone.
+pub mod ar;
+/// `--bc auto`: the forward cost curve and the per-step budget.
+pub mod auto_bc;
+/// ESP's tree builders from the masks' candidate distributions.
+pub mod candidates;
+/// Embedding-Space Probing: the mask tokens and their tree.
+pub mod esp;
+/// ESP, prompt lookup and n-gram continuations in one scored tree.
+pub mod hybrid;
+/// Lookahead decoding: a Jacobi window and an n-gram pool.
+pub mod lookahead;
+/// N-gram matching and pools shared by the training-free drafters.
+pub mod ngram;
+/// Prompt Lookup Decoding.
+pub mod pld;
