@@ -83,9 +83,7 @@ impl<'a> Conversation<'a> {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> Result<()>,
     ) -> Result<Turn> {
-        if user.trim().is_empty() {
-            bail!("the message is empty");
-        }
+        crate::session::check_prompt_text(user)?;
         let prompt = self.render(user)?;
         let reused = common_prefix(&self.cached, &prompt).min(prompt.len() - 1);
         self.cache.truncate(reused);

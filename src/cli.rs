@@ -509,9 +509,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     let method = a.method.method();
     method.validate()?;
     let text = read_prompt(a.prompt.as_deref())?;
-    if text.trim().is_empty() {
-        bail!("the prompt is empty");
-    }
+    crate::session::check_prompt_text(&text)?;
     let session = Session::load(&a.model.options())?;
     if a.print_prompt {
         let text = session.render_prompt(&text, a.system.as_deref(), !a.no_chat_template)?;

@@ -127,11 +127,17 @@ impl Session {
     }
 }
 
-/// Prompt text -> the text the model reads, through the chat template unless `chat` is false.
-pub fn render_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat: bool) -> Result<String> {
+/// A prompt must hold more than white space (checked before anything slow, such as loading a model).
+pub fn check_prompt_text(text: &str) -> Result<()> {
     if text.trim().is_empty() {
         bail!("the prompt is empty");
     }
+    Ok(())
+}
+
+/// Prompt text -> the text the model reads, through the chat template unless `chat` is false.
+pub fn render_prompt(tok: &TextTokenizer, text: &str, system: Option<&str>, chat: bool) -> Result<String> {
+    check_prompt_text(text)?;
     if !chat {
         return Ok(text.to_string());
     }

@@ -130,7 +130,8 @@ impl Default for Masks {
 }
 
 impl Masks {
-    fn validate(&self) -> Result<()> {
+    /// The one check of `--masks` and `--mask-lambda` (every drafter with masks calls it).
+    pub fn validate(&self) -> Result<()> {
         if !(1..=3).contains(&self.count) {
             bail!("--masks must be 1, 2 or 3 (got {})", self.count);
         }
@@ -227,6 +228,7 @@ impl Method {
         Ok(match self {
             Method::Ar => Box::new(Autoregressive),
             Method::Esp(e) => {
+                // The masks are checked first: a wrong k would make the budget's error misleading.
                 e.masks.validate()?;
                 let k = e.masks.count;
                 let tree = match (&e.tree, e.budget) {
@@ -240,23 +242,21 @@ impl Method {
                     },
                 };
                 Box::new(Esp::new(EspConfig {
-                    masks: k,
+                    masks: e.masks,
                     tree,
-                    lambda: e.masks.lambda,
-                    init: e.masks.init,
                     seed,
                 })?)
             }
             Method::Pld(c) => Box::new(Pld::new(*c)?),
             Method::Lookahead(c) => Box::new(Lookahead::new(LookaheadConfig { seed, ..*c })?),
             Method::Hybrid(h) => {
+                // The masks are checked first: a wrong k would make the budget's error misleading.
                 h.masks.validate()?;
                 let mut c =
                     HybridConfig::new(h.masks.count, nodes(fixed_or_default(h.budget), h.masks.count)?);
+                c.masks = h.masks;
                 c.max_ngram = h.lookup.max_ngram;
                 c.draft_len = h.lookup.draft_len;
-                c.lambda = h.masks.lambda;
-                c.init = h.masks.init;
                 c.seed = seed;
                 Box::new(Hybrid::new(c)?)
             }

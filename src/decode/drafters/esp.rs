@@ -6,7 +6,7 @@ use super::auto_bc::{self, AutoBudget, CostCurve};
 use super::candidates::{dynamic_tree, static_tree, Candidates};
 use crate::decode::generate::{Draft, Drafter, Step};
 use crate::decode::layout::{esp_probes, Probe};
-use crate::decode::method::MethodKind;
+use crate::decode::method::{Masks, MethodKind};
 use crate::decode::sampling::top_candidates;
 use crate::decode::tree::TokenTree;
 use crate::decode::MAX_DRAFT_FLAG;
@@ -60,11 +60,9 @@ impl TreeShape {
 
 #[derive(Debug, Clone)]
 pub struct EspConfig {
-    /// Masks per node (k).
-    pub masks: usize,
+    pub masks: Masks,
     pub tree: TreeShape,
-    pub lambda: f32,
-    pub init: MaskInit,
+    /// Seed of `--mask-init normal`.
     pub seed: u64,
 }
 
@@ -150,11 +148,74 @@ pub fn mask_candidates(probe_logits: &[Vec<f32>], n: usize) -> Vec<Candidates> {
     probe_logits.iter().map(|row| top_candidates(row, n)).collect()
 }
 
-pub struct Esp {
-    cfg: EspConfig,
-    masks: Option<MaskEmbedding>,
+/// The mask-token side of a drafter (ESP's, and the hybrid's ESP source): the k mask vectors, their input
+/// rows, and the candidate lists their logits gave for the next tree.
+pub struct MaskProbes {
+    spec: Masks,
+    seed: u64,
+    embedding: Option<MaskEmbedding>,
     /// Candidates for depth d + 1 of the next tree, from mask d + 1 of the last deepest accepted node.
     dists: Vec<Candidates>,
+}
+
+impl MaskProbes {
+    pub fn new(spec: Masks, seed: u64) -> Result<Self> {
+        spec.validate()?;
+        Ok(MaskProbes {
+            spec,
+            seed,
+            embedding: None,
+            dists: Vec::new(),
+        })
+    }
+
+    /// k, masks per node.
+    pub fn count(&self) -> usize {
+        self.spec.count
+    }
+
+    /// At the start of a generation: the masks from the prompt; returns the prefill's probe rows (k).
+    pub fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
+        let s = &self.spec;
+        self.embedding = Some(MaskEmbedding::new(
+            model, prompt, s.count, s.init, s.lambda, self.seed,
+        )?);
+        self.dists.clear();
+        Ok(s.count)
+    }
+
+    pub fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
+        self.embedding
+            .as_ref()
+            .expect("begin() runs before probe_inputs()")
+            .probe_inputs(model, probes)
+    }
+
+    /// After a step: the masks follow the committed tokens, and the probes' logits give the next
+    /// candidate lists, `n` tokens each.
+    pub fn observe(&mut self, model: &Transformer, step: &Step, n: usize) -> Result<()> {
+        self.embedding
+            .as_mut()
+            .expect("begin() runs before observe()")
+            .update_with_tokens(model, step.committed)?;
+        self.dists = mask_candidates(step.probe_logits, n);
+        Ok(())
+    }
+
+    /// The candidate lists for the next tree (empty when the last step had no probes).
+    pub fn dists(&self) -> &[Candidates] {
+        &self.dists
+    }
+
+    #[cfg(test)]
+    pub(crate) fn set_dists(&mut self, dists: Vec<Candidates>) {
+        self.dists = dists;
+    }
+}
+
+pub struct Esp {
+    tree: TreeShape,
+    masks: MaskProbes,
     auto: Option<AutoBudget>,
     /// Root of the current step: the depth-1 candidates were ranked without it (parent-equal pruning).
     root: u32,
@@ -162,25 +223,22 @@ pub struct Esp {
 
 impl Esp {
     pub fn new(cfg: EspConfig) -> Result<Self> {
-        if !(1..=3).contains(&cfg.masks) {
-            bail!("--masks must be 1, 2 or 3 (got {})", cfg.masks);
-        }
+        let masks = MaskProbes::new(cfg.masks, cfg.seed)?;
         if let TreeShape::Static { branches } = &cfg.tree {
             if branches.is_empty()
-                || branches.len() > cfg.masks
+                || branches.len() > masks.count()
                 || branches.iter().any(|b| !(1..=MAX_DRAFT_FLAG).contains(b))
             {
                 bail!(
                     "--branches {:?} needs 1..={} entries (one per mask depth), each in 1..={MAX_DRAFT_FLAG}",
                     branches,
-                    cfg.masks
+                    masks.count()
                 );
             }
         }
         Ok(Esp {
-            cfg,
-            masks: None,
-            dists: Vec::new(),
+            tree: cfg.tree,
+            masks,
             auto: None,
             root: 0,
         })
@@ -188,7 +246,7 @@ impl Esp {
 
     fn candidates_needed(&self) -> usize {
         // Room for the parent-equal and duplicate skips.
-        self.cfg.tree.node_budget() + 2
+        self.tree.node_budget() + 2
     }
 }
 
@@ -198,15 +256,11 @@ impl Drafter for Esp {
     }
 
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
-        let c = &self.cfg;
-        self.masks = Some(MaskEmbedding::new(
-            model, prompt, c.masks, c.init, c.lambda, c.seed,
-        )?);
-        self.dists.clear();
-        if c.tree == TreeShape::Auto {
-            self.auto = Some(AutoBudget::new(CostCurve::for_model(model, prompt)?, c.masks));
+        let k = self.masks.begin(model, prompt)?;
+        if self.tree == TreeShape::Auto {
+            self.auto = Some(AutoBudget::new(CostCurve::for_model(model, prompt)?, k));
         }
-        Ok(c.masks)
+        Ok(k)
     }
 
     // Room is the loop's concern: a draft that does not fit is replaced there by the root alone.
@@ -214,13 +268,14 @@ impl Drafter for Esp {
         self.root = root;
         // Without candidates (after a plain step, or at the context edge) the tree builders return the
         // root alone, whose masks probe for the next step.
-        let tree = match &self.cfg.tree {
-            TreeShape::Dynamic { budget } => dynamic_tree(root, &self.dists, *budget),
-            TreeShape::Static { branches } => static_tree(root, &self.dists, branches),
+        let dists = self.masks.dists();
+        let tree = match &self.tree {
+            TreeShape::Dynamic { budget } => dynamic_tree(root, dists, *budget),
+            TreeShape::Static { branches } => static_tree(root, dists, branches),
             TreeShape::Auto => {
                 let auto = self.auto.as_mut().expect("begin() sets up --bc auto");
                 match auto.choose() {
-                    Some(budget) => dynamic_tree(root, &self.dists, budget),
+                    Some(budget) => dynamic_tree(root, dists, budget),
                     // Plain decoding, with a probe every few steps to keep measuring acceptance.
                     None if auto.explore() => TokenTree::new(root),
                     None => return Draft::root_only(root),
@@ -228,34 +283,28 @@ impl Drafter for Esp {
             }
         };
         Draft {
-            probes: esp_probes(tree.len(), self.cfg.masks),
+            probes: esp_probes(tree.len(), self.masks.count()),
             tree,
         }
     }
 
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
-        self.masks
-            .as_ref()
-            .expect("begin() runs before probe_inputs()")
-            .probe_inputs(model, probes)
+        self.masks.probe_inputs(model, probes)
     }
 
     fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
-        let (committed, probe_logits) = (step.committed, step.probe_logits);
-        self.masks
-            .as_mut()
-            .expect("begin() runs before observe()")
-            .update_with_tokens(model, committed)?;
-        if let (Some(auto), Some(depth1), Some(&next)) =
-            (self.auto.as_mut(), self.dists.first(), committed.first())
-        {
+        if let (Some(auto), Some(depth1), Some(&next)) = (
+            self.auto.as_mut(),
+            self.masks.dists().first(),
+            step.committed.first(),
+        ) {
             let rank = depth1
                 .iter()
                 .filter(|c| c.0 != self.root)
                 .position(|c| c.0 == next);
             auto.observe_rank(rank);
         }
-        self.dists = mask_candidates(probe_logits, self.candidates_needed());
-        Ok(())
+        let n = self.candidates_needed();
+        self.masks.observe(model, step, n)
     }
 }

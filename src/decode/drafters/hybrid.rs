@@ -22,14 +22,14 @@
 //! The draft depends only on the history and on the probes' logits, never on the step's own random draws:
 //! sample matching in the shared verifier keeps it exact under sampling.
 
-use super::candidates::{dynamic_tree, Candidates};
-use super::esp::{mask_candidates, MaskEmbedding, MaskInit};
+use super::candidates::dynamic_tree;
+use super::esp::MaskProbes;
 use super::ngram::{distinct_matches, lookup};
 use crate::decode::budget::{nodes_within, MAX_BC};
 use crate::decode::check_flag;
 use crate::decode::generate::{Draft, Drafter, Step};
 use crate::decode::layout::{esp_probes, Probe};
-use crate::decode::method::MethodKind;
+use crate::decode::method::{Masks, MethodKind};
 use crate::decode::tree::TokenTree;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
@@ -38,16 +38,14 @@ use std::collections::HashMap;
 
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
-    /// Masks per node (k).
-    pub masks: usize,
+    pub masks: Masks,
     /// Draft nodes per step (sum K_i = BC / (k + 1) - 1).
     pub nodes: usize,
     /// Largest suffix length prompt lookup matches.
     pub max_ngram: usize,
     /// Longest prompt-lookup chain.
     pub draft_len: usize,
-    pub lambda: f32,
-    pub init: MaskInit,
+    /// Seed of `--mask-init normal`.
     pub seed: u64,
     /// Distinct prompt-lookup continuations.
     pub pld_matches: usize,
@@ -57,14 +55,15 @@ pub struct HybridConfig {
 
 impl HybridConfig {
     /// The defaults for a node budget and k: 3-gram lookup, chains of up to 10 tokens.
-    pub fn new(masks: usize, nodes: usize) -> Self {
+    pub fn new(k: usize, nodes: usize) -> Self {
         HybridConfig {
-            masks,
+            masks: Masks {
+                count: k,
+                ..Masks::default()
+            },
             nodes,
             max_ngram: 3,
             draft_len: 10,
-            lambda: 0.1,
-            init: MaskInit::Mean,
             seed: 0,
             pld_matches: 3,
             extend: 4,
@@ -193,9 +192,7 @@ impl CandidateTrie {
 
 pub struct Hybrid {
     cfg: HybridConfig,
-    masks: Option<MaskEmbedding>,
-    /// Candidates for depth d + 1 of the next tree, from mask d + 1 of the last deepest accepted node.
-    dists: Vec<Candidates>,
+    masks: MaskProbes,
     /// The last tree proposed and what is known of its nodes.
     last: Option<(TokenTree, Vec<NodeInfo>)>,
     rates: HashMap<Source, Rate>,
@@ -206,9 +203,7 @@ pub struct Hybrid {
 
 impl Hybrid {
     pub fn new(cfg: HybridConfig) -> Result<Self> {
-        if !(1..=3).contains(&cfg.masks) {
-            bail!("--masks must be 1, 2 or 3 (got {})", cfg.masks);
-        }
+        let masks = MaskProbes::new(cfg.masks, cfg.seed)?;
         if !(1..=MAX_BC).contains(&cfg.nodes) {
             bail!(
                 "the hybrid needs a node budget in 1..={MAX_BC} (got {})",
@@ -219,8 +214,7 @@ impl Hybrid {
         check_flag("--draft-len", cfg.draft_len, 1)?;
         Ok(Hybrid {
             cfg,
-            masks: None,
-            dists: Vec::new(),
+            masks,
             last: None,
             rates: HashMap::new(),
             esp_accepted: 1.0,
@@ -241,13 +235,13 @@ impl Hybrid {
         let mut c = CandidateTrie::new(root);
         // ESP: its dynamic tree (twice the budget: a node other sources support may lift its subtree).
         let alpha = self.esp_alpha();
-        let esp = dynamic_tree(root, &self.dists, 2 * budget);
+        let esp = dynamic_tree(root, self.masks.dists(), 2 * budget);
         let mut map = vec![0usize; esp.len()];
         let mut depth1: Vec<(usize, u32)> = Vec::new();
         for n in 1..esp.len() {
             let d = esp.depth(n);
             let token = esp.token(n);
-            let p_mask = self.dists[d - 1]
+            let p_mask = self.masks.dists()[d - 1]
                 .iter()
                 .find(|x| x.0 == token)
                 .map_or(0.0, |x| f64::from(x.1));
@@ -327,20 +321,15 @@ impl Drafter for Hybrid {
     }
 
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
-        let c = &self.cfg;
-        self.masks = Some(MaskEmbedding::new(
-            model, prompt, c.masks, c.init, c.lambda, c.seed,
-        )?);
-        self.dists.clear();
         self.last = None;
         self.rates.clear();
         self.esp_accepted = 1.0;
         self.esp_mass = 1.0;
-        Ok(c.masks)
+        self.masks.begin(model, prompt)
     }
 
     fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
-        let k = self.cfg.masks;
+        let k = self.masks.count();
         let budget = self.cfg.nodes.min(nodes_within(max_rows, k));
         if max_rows < k + 1 {
             self.last = None;
@@ -353,30 +342,24 @@ impl Drafter for Hybrid {
     }
 
     fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
-        self.masks
-            .as_ref()
-            .expect("begin() runs before probe_inputs()")
-            .probe_inputs(model, probes)
+        self.masks.probe_inputs(model, probes)
     }
 
     fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
-        self.masks
-            .as_mut()
-            .expect("begin() runs before observe()")
-            .update_with_tokens(model, step.committed)?;
         // A replaced draft was not verified: nothing to learn from it.
         if let Some((tree, infos)) = self.last.take() {
             if !step.replaced {
                 self.learn(&tree, &infos, step.accepted);
             }
         }
-        self.dists = mask_candidates(step.probe_logits, 2 * self.cfg.nodes + 2);
-        Ok(())
+        let n = 2 * self.cfg.nodes + 2;
+        self.masks.observe(model, step, n)
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::candidates::Candidates;
     use super::*;
 
     fn cands(list: &[(u32, f32)]) -> Candidates {
@@ -392,7 +375,8 @@ mod tests {
         let mut h = hybrid(3);
         h.cfg.extend = 0;
         let history = [5, 6, 1, 2, 3, 9, 5, 6];
-        h.dists = vec![cands(&[(40, 0.6), (41, 0.3), (42, 0.05)])];
+        h.masks
+            .set_dists(vec![cands(&[(40, 0.6), (41, 0.3), (42, 0.05)])]);
         // Fresh rates (1/2) for PLD: chain 1 (0.5), 2 (0.25), 3 (0.125); ESP alpha 1: 40 (0.6), 41 (0.3).
         let (t, infos) = h.draft_scored(6, &history, 3);
         assert_eq!(t.tokens(), &[6, 40, 1, 41]);
@@ -422,7 +406,7 @@ mod tests {
         let (t, _) = h.draft_scored(6, &history, 3);
         assert_eq!(t.tokens(), &[6, 1, 2, 3]);
         // A node proposed by two sources scores 1 - (1 - p1)(1 - p2).
-        h.dists = vec![cands(&[(1, 0.5)])];
+        h.masks.set_dists(vec![cands(&[(1, 0.5)])]);
         let (t, infos) = h.draft_scored(6, &history, 1);
         assert_eq!(t.tokens(), &[6, 1]);
         assert_eq!(infos[1].tags.len(), 2);
@@ -434,7 +418,7 @@ mod tests {
         h.cfg.pld_matches = 0;
         // After root 6, ESP proposes 1; "6 1" was followed by "2 3" earlier.
         let history = [6, 1, 2, 3, 8, 6];
-        h.dists = vec![cands(&[(1, 0.9)])];
+        h.masks.set_dists(vec![cands(&[(1, 0.9)])]);
         let (t, infos) = h.draft_scored(6, &history, 4);
         assert_eq!(t.tokens(), &[6, 1, 2, 3, 8]);
         assert_eq!(infos[2].tags, vec![Source::Ext { n: 2, depth: 1 }]);
