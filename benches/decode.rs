@@ -9,40 +9,34 @@
 
 use candle_core::{DType, Device, Tensor};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
-use probespec::cli::{encode_prompt, make_drafter, MethodArgs, BC_AUTO};
-use probespec::decode::ar::Autoregressive;
-use probespec::decode::generate::{generate, GenerateParams};
-use probespec::model::load::{default_model_path, load_model, LoadOptions, ModelSource};
+use probespec::decode::generate::GenerateParams;
+use probespec::decode::method::{Budget, EspSpec, Method};
+use probespec::model::load::default_model_path;
 use probespec::model::BlockMask;
+use probespec::session::{DeviceKind, ModelOptions, Session};
 use std::time::Duration;
 
-fn model(dequantize: bool) -> probespec::model::LoadedModel {
+fn model(dequantize: bool) -> Session {
     let p = default_model_path();
     assert!(
         p.is_file(),
         "SmolLM2 GGUF not found at {}: run `make model`",
         p.display()
     );
-    load_model(
-        &ModelSource::Gguf(p),
-        &LoadOptions {
-            device: Device::Cpu,
-            dtype: DType::F32,
-            dequantize,
-        },
-    )
+    Session::load(&ModelOptions {
+        model: Some(p.to_str().unwrap().to_string()),
+        device: DeviceKind::Cpu,
+        dtype: Some(DType::F32),
+        dequantize,
+    })
     .unwrap()
 }
 
 fn decoding(c: &mut Criterion) {
     let m = model(false);
-    let prompt = encode_prompt(
-        &m.tokenizer,
-        "Write a short story about a lighthouse keeper.",
-        None,
-        true,
-    )
-    .unwrap();
+    let prompt = m
+        .encode_prompt("Write a short story about a lighthouse keeper.", None, true)
+        .unwrap();
     // No stop tokens: every run decodes exactly 32 tokens.
     let params = GenerateParams {
         max_new_tokens: 32,
@@ -52,18 +46,18 @@ fn decoding(c: &mut Criterion) {
     let mut g = c.benchmark_group("decode_32_tokens");
     g.sample_size(10).measurement_time(Duration::from_secs(20));
     g.bench_function("plain", |b| {
-        b.iter(|| generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap())
+        b.iter(|| {
+            m.generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))
+                .unwrap()
+        })
     });
-    for (name, bc) in [("esp_bc10", 10), ("esp_bc_auto", BC_AUTO)] {
-        let args = MethodArgs {
-            bc,
-            ..MethodArgs::default()
-        };
+    for (name, budget) in [("esp_bc10", Budget::Fixed(10)), ("esp_bc_auto", Budget::Auto)] {
+        let esp = Method::Esp(EspSpec {
+            budget,
+            ..EspSpec::default()
+        });
         g.bench_function(name, |b| {
-            b.iter(|| {
-                let mut d = make_drafter(&args, 0).unwrap();
-                generate(&m.model, &prompt, d.as_mut(), &params, &mut |_| Ok(())).unwrap()
-            })
+            b.iter(|| m.generate(&prompt, &esp, &params, &mut |_| Ok(())).unwrap())
         });
     }
     g.finish();
@@ -76,7 +70,7 @@ fn forward_cost(c: &mut Criterion) {
     }
 }
 
-fn forward_cost_of(c: &mut Criterion, group: &str, m: &probespec::model::LoadedModel) {
+fn forward_cost_of(c: &mut Criterion, group: &str, m: &Session) {
     let model = &m.model;
     let mut g = c.benchmark_group(group);
     g.sample_size(10)

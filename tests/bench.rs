@@ -3,11 +3,11 @@
 
 mod common;
 
+use common::binary::{probespec, Run};
 use common::TinySpec;
 use serde_json::Value;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 /// Four questions in four categories (three groups), the first with two turns: 5 turns.
 const QUESTIONS: &str = r#"{"question_id": 81, "category": "writing", "turns": ["w5 w17 w9 w30 w41", "w12 w13 w99"]}
@@ -42,26 +42,9 @@ fn fixture() -> Fixture {
     }
 }
 
-fn probespec(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_probespec"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn ok(out: Output) -> Output {
-    assert!(
-        out.status.success(),
-        "probespec failed: {}\nstderr:\n{}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
 impl Fixture {
     /// `probespec bench` on the fixture into `out`; flags in `extra` replace the defaults of this helper.
-    fn bench(&self, out: &Path, extra: &[&str]) -> Output {
+    fn bench(&self, out: &Path, extra: &[&str]) -> Run {
         let mut args = vec![
             "bench",
             "--questions",
@@ -125,7 +108,7 @@ fn record_set(dir: &Path) -> BTreeSet<(i64, u64, String, String)> {
 fn run_writes_records_summary_table_and_chart_and_is_lossless() {
     let f = fixture();
     let out = f.root.join("run");
-    let o = ok(f.bench(&out, &[]));
+    let o = f.bench(&out, &[]).ok();
 
     let rs = records(&out);
     assert_eq!(rs.len(), TURNS * CONFIGS);
@@ -214,7 +197,7 @@ fn run_writes_records_summary_table_and_chart_and_is_lossless() {
     assert_eq!(summary["settings"]["dtype"], "f32");
 
     let table = std::fs::read_to_string(out.join("table.md")).unwrap();
-    assert_eq!(String::from_utf8(o.stdout).unwrap(), table, "stdout is the table");
+    assert_eq!(o.stdout, table, "stdout is the table");
     assert!(table.contains("| Configuration | Multi-turn Conversation | Translation | Question Answering | Overall | Mismatches |"));
     assert!(table
         .lines()
@@ -232,7 +215,7 @@ fn run_writes_records_summary_table_and_chart_and_is_lossless() {
 fn resume_keeps_finished_records_and_redoes_the_rest() {
     let f = fixture();
     let out = f.root.join("run");
-    ok(f.bench(&out, &[]));
+    f.bench(&out, &[]).ok();
     let full = record_lines(&out);
     let full_set = record_set(&out);
 
@@ -246,8 +229,8 @@ fn resume_keeps_finished_records_and_redoes_the_rest() {
         &full[3][..full[3].len() / 2]
     );
     std::fs::write(out.join("records.jsonl"), partial).unwrap();
-    let o = ok(f.bench(&out, &[]));
-    let stderr = String::from_utf8_lossy(&o.stderr);
+    let o = f.bench(&out, &[]).ok();
+    let stderr = &o.stderr;
     assert!(stderr.contains("incomplete last record"), "{stderr}");
     let after = record_lines(&out);
     assert_eq!(after.len(), TURNS * CONFIGS);
@@ -262,19 +245,19 @@ fn resume_keeps_finished_records_and_redoes_the_rest() {
         after[..after.len() - 3].join("\n") + "\n",
     )
     .unwrap();
-    ok(f.bench(&out, &[]));
+    f.bench(&out, &[]).ok();
     let again = record_lines(&out);
     assert_eq!(again[..again.len() - 3], after[..after.len() - 3]);
     assert_eq!(record_set(&out), full_set);
 
     // A finished run only re-renders.
-    ok(f.bench(&out, &[]));
+    f.bench(&out, &[]).ok();
     assert_eq!(record_lines(&out), again);
 
     // Other settings in the same folder are refused rather than mixed in.
     let o = f.bench(&out, &["--max-new-tokens", "8"]);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("max_new_tokens"));
+    assert!(o.stderr.contains("max_new_tokens"));
 }
 
 #[test]
@@ -286,9 +269,9 @@ fn shards_merge_into_the_full_run() {
         f.root.join("s1"),
         f.root.join("merged"),
     );
-    ok(f.bench(&full, &[]));
-    ok(f.bench(&a, &["--shard", "0/2"]));
-    ok(f.bench(&b, &["--shard", "1/2"]));
+    f.bench(&full, &[]).ok();
+    f.bench(&a, &["--shard", "0/2"]).ok();
+    f.bench(&b, &["--shard", "1/2"]).ok();
     let ids = |d: &Path| {
         records(d)
             .iter()
@@ -298,16 +281,17 @@ fn shards_merge_into_the_full_run() {
     assert_eq!(ids(&a), [81, 101].into_iter().collect());
     assert_eq!(ids(&b), [100, 102].into_iter().collect());
 
-    let o = ok(probespec(&[
+    let o = probespec(&[
         "bench",
         "merge",
         merged.to_str().unwrap(),
         a.to_str().unwrap(),
         b.to_str().unwrap(),
-    ]));
+    ])
+    .ok();
     assert_eq!(record_set(&merged), record_set(&full));
     let table = std::fs::read_to_string(merged.join("table.md")).unwrap();
-    assert_eq!(String::from_utf8(o.stdout).unwrap(), table);
+    assert_eq!(o.stdout, table);
     let summary: Value =
         serde_json::from_str(&std::fs::read_to_string(merged.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["invocations"].as_array().unwrap().len(), 2);
@@ -316,13 +300,14 @@ fn shards_merge_into_the_full_run() {
     assert!(merged.join("chart.svg").is_file());
 
     // Merging the same shards again into the merged folder changes nothing (duplicates are dropped).
-    ok(probespec(&[
+    probespec(&[
         "bench",
         "merge",
         merged.to_str().unwrap(),
         merged.to_str().unwrap(),
         a.to_str().unwrap(),
-    ]));
+    ])
+    .ok();
     assert_eq!(record_set(&merged), record_set(&full));
     let o = probespec(&["bench", "merge", merged.to_str().unwrap(), a.to_str().unwrap()]);
     assert!(
@@ -344,13 +329,13 @@ fn shards_merge_into_the_full_run() {
 fn report_rerenders_the_table_of_the_run() {
     let f = fixture();
     let out = f.root.join("run");
-    let run = ok(f.bench(&out, &["--warmup", "0"]));
+    let run = f.bench(&out, &["--warmup", "0"]).ok();
     let table = std::fs::read_to_string(out.join("table.md")).unwrap();
     let summary = std::fs::read_to_string(out.join("summary.json")).unwrap();
     for file in ["table.md", "summary.json", "chart.svg"] {
         std::fs::remove_file(out.join(file)).unwrap();
     }
-    let o = ok(probespec(&["bench", "report", out.to_str().unwrap()]));
+    let o = probespec(&["bench", "report", out.to_str().unwrap()]).ok();
     assert_eq!(o.stdout, run.stdout);
     assert_eq!(std::fs::read_to_string(out.join("table.md")).unwrap(), table);
     assert_eq!(
@@ -361,7 +346,7 @@ fn report_rerenders_the_table_of_the_run() {
 
     let o = probespec(&["bench", "report", f.root.to_str().unwrap()]);
     assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("run.json"));
+    assert!(o.stderr.contains("run.json"));
 }
 
 #[test]
@@ -407,7 +392,7 @@ fn malformed_question_files_name_file_and_line() {
             f.root.join("never").to_str().unwrap(),
         ]);
         assert!(!o.status.success(), "{name} was accepted");
-        let stderr = String::from_utf8_lossy(&o.stderr);
+        let stderr = &o.stderr;
         assert_eq!(
             stderr.trim_end().lines().count(),
             1,
@@ -428,7 +413,7 @@ fn malformed_question_files_name_file_and_line() {
 fn bundled_spec_bench_questions_without_a_file() {
     let f = fixture();
     let out = f.root.join("bundled");
-    ok(probespec(&[
+    probespec(&[
         "bench",
         "--model",
         f.model.to_str().unwrap(),
@@ -444,7 +429,8 @@ fn bundled_spec_bench_questions_without_a_file() {
         "4",
         "--warmup",
         "0",
-    ]));
+    ])
+    .ok();
     let ids: Vec<i64> = records(&out)
         .iter()
         .map(|r| r["question_id"].as_i64().unwrap())
@@ -461,9 +447,10 @@ fn bundled_spec_bench_questions_without_a_file() {
 fn spec_bench_export_agrees_with_the_report() {
     let f = fixture();
     let out = f.root.join("run");
-    ok(f.bench(&out, &["--methods", "ar,esp,pld", "--bc", "10", "--masks", "1"]));
+    f.bench(&out, &["--methods", "ar,esp,pld", "--bc", "10", "--masks", "1"])
+        .ok();
     let export = f.root.join("export");
-    let listed = ok(probespec(&[
+    let listed = probespec(&[
         "bench",
         "export",
         out.to_str().unwrap(),
@@ -471,8 +458,9 @@ fn spec_bench_export_agrees_with_the_report() {
         "spec-bench",
         "--out",
         export.to_str().unwrap(),
-    ]));
-    assert_eq!(String::from_utf8_lossy(&listed.stdout).lines().count(), 3);
+    ])
+    .ok();
+    assert_eq!(listed.stdout.lines().count(), 3);
     let tok = probespec::tokenizer::TextTokenizer::from_hf_dir(&f.model).unwrap();
     let read = |name: &str| -> Vec<Value> {
         std::fs::read_to_string(export.join(format!("{name}.jsonl")))

@@ -4,10 +4,11 @@
 
 mod common;
 
+use common::decoding::{esp, greedy, hybrid, pld};
 use common::TinySpec;
 use probespec::chat::Conversation;
-use probespec::cli::{make_drafter, MethodArg, MethodArgs};
 use probespec::decode::generate::generate;
+use probespec::decode::method::{EspTree, Method};
 use probespec::model::load::{load_model, LoadOptions, ModelSource};
 use probespec::tokenizer::Message;
 
@@ -26,18 +27,18 @@ fn turns_reuse_the_cache_and_match_one_shot_generation() {
         };
         let loaded = load_model(&ModelSource::HfDir(dir.path().to_path_buf()), &opts).unwrap();
         let (model, tok) = (&loaded.model, &loaded.tokenizer);
-        let params = common::greedy(12, tok.stop_tokens().to_vec());
-        for method in [MethodArg::Ar, MethodArg::Esp, MethodArg::Pld, MethodArg::Hybrid] {
-            let m = MethodArgs {
-                method,
-                bc: if method == MethodArg::Ar { 0 } else { 10 },
-                ..MethodArgs::default()
-            };
+        let params = greedy(12, tok.stop_tokens().to_vec());
+        for m in [
+            Method::Ar,
+            esp(10, 1, EspTree::Dynamic),
+            pld(3, 10),
+            hybrid(10, 1),
+        ] {
             let mut chat = Conversation::new(model, tok, Some("w5 w6".into())).unwrap();
             let users = ["w10 w11 w12", "w20 w21", "w30 w31 w32 w33"];
             let mut previous_prompt = 0;
             for (i, user) in users.iter().enumerate() {
-                let mut d = make_drafter(&m, 1).unwrap();
+                let mut d = m.drafter(1).unwrap();
                 let turn = chat.turn(user, d.as_mut(), &params, &mut |_| Ok(())).unwrap();
 
                 let mut messages = vec![Message::new("system", "w5 w6")];
@@ -46,12 +47,12 @@ fn turns_reuse_the_cache_and_match_one_shot_generation() {
                     .encode(&tok.apply_chat_template(&messages, true).unwrap())
                     .unwrap();
                 assert_eq!(turn.prompt_tokens, prompt.len());
-                let mut d = make_drafter(&m, 1).unwrap();
+                let mut d = m.drafter(1).unwrap();
                 let fresh = generate(model, &prompt, d.as_mut(), &params, &mut |_| Ok(())).unwrap();
                 assert_eq!(
                     turn.generation.tokens,
                     fresh.tokens,
-                    "{:?} {method:?} turn {}: reply differs from a one-shot call",
+                    "{:?} {m:?} turn {}: reply differs from a one-shot call",
                     spec.arch,
                     i + 1
                 );
@@ -73,7 +74,7 @@ fn turns_reuse_the_cache_and_match_one_shot_generation() {
                 previous_prompt = prompt.len();
             }
             chat.reset();
-            let mut d = make_drafter(&m, 1).unwrap();
+            let mut d = m.drafter(1).unwrap();
             let turn = chat.turn("w40", d.as_mut(), &params, &mut |_| Ok(())).unwrap();
             assert_eq!(turn.reused_tokens, 0, "after reset nothing comes from the cache");
             assert_eq!(chat.messages().len(), 2);

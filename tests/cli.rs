@@ -2,48 +2,25 @@
 
 mod common;
 
+use common::binary::{command, probespec, probespec_stdin, run};
 use common::TinySpec;
 use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-fn probespec(args: &[&str], stdin: Option<&[u8]>) -> (i32, String, String) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_probespec"))
-        .args(args)
-        .env("PROBESPEC_MODEL_DIR", "/nonexistent-probespec-model-dir")
-        .stdin(if stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    if let Some(bytes) = stdin {
-        child.stdin.take().unwrap().write_all(bytes).unwrap();
+/// Runs the binary and checks that it fails: non-zero exit, no panic, one line on stderr containing
+/// `needle`.
+fn fails_with(args: &[&str], stdin: Option<&[u8]>, needle: &str) {
+    match stdin {
+        Some(bytes) => probespec_stdin(args, bytes),
+        None => probespec(args),
     }
-    let out = child.wait_with_output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    .fails_with(needle);
 }
 
-/// Runs a command that must fail: non-zero exit, exactly one line on stderr containing `needle`.
-fn fails_with(args: &[&str], stdin: Option<&[u8]>, needle: &str) {
-    let (code, _, err) = probespec(args, stdin);
-    assert_ne!(code, 0, "{args:?} succeeded");
-    assert!(
-        !err.contains("panicked") && !err.contains("RUST_BACKTRACE"),
-        "{args:?} panicked: {err}"
-    );
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: expected one line, got: {err}"
-    );
-    assert!(err.contains(needle), "{args:?}: expected '{needle}' in: {err}");
+/// Runs the binary and checks that it ends in an error: exit status 1, one line on stderr, `error: ` first
+/// and containing `needle`, no panic.
+fn errors_with(args: &[&str], needle: &str) {
+    probespec(args).errors_with(needle);
 }
 
 fn tiny_dir() -> tempfile::TempDir {
@@ -177,11 +154,9 @@ fn empty_prompt() {
 fn prompt_longer_than_the_context_window() {
     let d = tiny_dir();
     let long: String = (0..600).map(|i| format!("w{} ", 4 + i % 200)).collect();
-    let (code, _, err) = probespec(
-        &["--model", d.path().to_str().unwrap(), "--no-chat-template", &long],
-        None,
-    );
-    assert_ne!(code, 0);
+    let r = probespec(&["--model", d.path().to_str().unwrap(), "--no-chat-template", &long]);
+    let err = &r.stderr;
+    assert_ne!(r.code(), 0);
     assert!(err.contains("600 tokens") && err.contains("512"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
@@ -226,28 +201,27 @@ fn invalid_flag_values() {
 fn generates_from_argument_and_stdin_and_json() {
     let d = tiny_dir();
     let m = d.path().to_str().unwrap();
-    let (code, out, err) = probespec(&["--model", m, "--max-new-tokens", "8", "w5 w6 w7"], None);
-    assert_eq!(code, 0, "{err}");
-    assert!(!out.trim().is_empty());
-    assert!(err.contains("model calls"), "stats line missing: {err}");
-    let (code2, out2, _) = probespec(&["--model", m, "--max-new-tokens", "8", "-"], Some(b"w5 w6 w7"));
-    assert_eq!(code2, 0);
-    assert_eq!(out, out2, "stdin and argument prompts differ");
-    let (code3, out3, _) = probespec(
-        &[
-            "--model",
-            m,
-            "--max-new-tokens",
-            "8",
-            "--json",
-            "--method",
-            "ar",
-            "w5 w6 w7",
-        ],
-        None,
+    let arg = probespec(&["--model", m, "--max-new-tokens", "8", "w5 w6 w7"]).ok();
+    assert!(!arg.stdout.trim().is_empty());
+    assert!(
+        arg.stderr.contains("model calls"),
+        "stats line missing: {}",
+        arg.stderr
     );
-    assert_eq!(code3, 0);
-    let v: serde_json::Value = serde_json::from_str(out3.trim()).unwrap();
+    let stdin = probespec_stdin(&["--model", m, "--max-new-tokens", "8", "-"], b"w5 w6 w7").ok();
+    assert_eq!(arg.stdout, stdin.stdout, "stdin and argument prompts differ");
+    let json = probespec(&[
+        "--model",
+        m,
+        "--max-new-tokens",
+        "8",
+        "--json",
+        "--method",
+        "ar",
+        "w5 w6 w7",
+    ])
+    .ok();
+    let v: serde_json::Value = serde_json::from_str(json.stdout.trim()).unwrap();
     for k in ["text", "token_ids", "prompt_token_ids", "stats"] {
         assert!(v.get(k).is_some(), "missing {k}");
     }
@@ -269,11 +243,12 @@ fn generates_from_argument_and_stdin_and_json() {
 #[test]
 fn hub_id_missing_from_the_cache_offline() {
     let hf = common::tempdir();
-    let (code, _, err) = probespec_env(
-        &["--model", "someorg/some-model", "hi"],
-        &[("HF_HOME", hf.path())],
+    let r = run(
+        command(&["--model", "someorg/some-model", "hi"]).env("HF_HOME", hf.path()),
+        None,
     );
-    assert_ne!(code, 0);
+    let err = &r.stderr;
+    assert_ne!(r.code(), 0);
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(
         err.contains("'someorg/some-model' is not in the local hub cache"),
@@ -290,41 +265,12 @@ fn hub_id_found_in_the_local_cache() {
     std::fs::create_dir_all(repo.join("refs")).unwrap();
     std::fs::write(repo.join("refs").join("main"), rev).unwrap();
     TinySpec::llama().write_hf(&repo.join("snapshots").join(rev));
-    let (code, out, err) = probespec_env(
-        &["--model", "tiny/llama", "--max-new-tokens", "4", "w5 w6"],
-        &[("HF_HOME", hf.path())],
-    );
-    assert_eq!(code, 0, "{err}");
-    assert!(!out.trim().is_empty());
-}
-
-fn probespec_env(args: &[&str], env: &[(&str, &std::path::Path)]) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_probespec"));
-    cmd.args(args).stdin(Stdio::null());
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = cmd.output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
+    let r = run(
+        command(&["--model", "tiny/llama", "--max-new-tokens", "4", "w5 w6"]).env("HF_HOME", hf.path()),
+        None,
     )
-}
-
-/// Runs a command that must fail cleanly: exit status 1, exactly one line on stderr, `error: ` first and
-/// containing `needle`, no panic.
-fn errors_with(args: &[&str], needle: &str) {
-    let (code, _, err) = probespec(args, None);
-    assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
-    assert_eq!(code, 1, "{args:?}: exit status {code}: {err}");
-    assert_eq!(
-        err.trim_end().lines().count(),
-        1,
-        "{args:?}: expected one line, got: {err}"
-    );
-    assert!(err.starts_with("error: "), "{args:?}: {err}");
-    assert!(err.contains(needle), "{args:?}: expected '{needle}' in: {err}");
+    .ok();
+    assert!(!r.stdout.trim().is_empty());
 }
 
 /// A tiny LLaMA folder whose config.json has `field` set to `value` (removed when `value` is None).
@@ -436,15 +382,14 @@ fn gguf_with_zero_alignment() {
         "4",
         "<s><s>", // the tiny byte-level vocabulary spells nothing else
     ];
-    let (code, plain, err) = probespec(&args, None);
-    assert_eq!(code, 0, "{err}");
+    let plain = probespec(&args).ok().stdout;
     for (ty, value) in [("u32", Value::U32(32)), ("i8", Value::I8(32))] {
         common::edit_gguf(&p, |md, _| {
             md.insert("general.alignment".into(), value);
         });
-        let (code, out, err) = probespec(&args, None);
-        assert_eq!(code, 0, "{ty}: {err}");
-        assert_eq!(out, plain, "{ty}");
+        let r = probespec(&args);
+        assert_eq!(r.code(), 0, "{ty}: {}", r.stderr);
+        assert_eq!(r.stdout, plain, "{ty}");
     }
     for value in [Value::U32(0), Value::U8(0), Value::I16(0)] {
         TinySpec::llama().write_gguf(&p); // candle's own reader cannot read a file of alignment 0
@@ -542,21 +487,18 @@ fn max_new_tokens_at_the_integer_limit() {
     let d = tiny_dir();
     let m = d.path().to_str().unwrap();
     for method in ["ar", "esp", "pld"] {
-        let (code, out, err) = probespec(
-            &[
-                "--model",
-                m,
-                "--method",
-                method,
-                "--json",
-                "--max-new-tokens",
-                "18446744073709551615",
-                "w5 w6 w7",
-            ],
-            None,
-        );
-        assert_eq!(code, 0, "{method}: {err}");
-        let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+        let r = probespec(&[
+            "--model",
+            m,
+            "--method",
+            method,
+            "--json",
+            "--max-new-tokens",
+            "18446744073709551615",
+            "w5 w6 w7",
+        ]);
+        assert_eq!(r.code(), 0, "{method}: {}", r.stderr);
+        let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
         let reason = v["finish_reason"].as_str().unwrap();
         assert!(
             reason == "context_window" || reason == "stop_token",
@@ -576,8 +518,7 @@ fn closed_stdout_ends_quietly() {
             args.push("--json");
         }
         args.push("-");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_probespec"))
-            .args(&args)
+        let mut child = command(&args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -600,30 +541,24 @@ fn errors_stay_one_line_with_rust_backtrace() {
     let d = common::tempdir();
     let p = d.path().join("m.gguf");
     std::fs::write(&p, b"GGUF this is not a gguf file at all, just some bytes").unwrap();
-    let run = |lib: Option<&str>| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_probespec"));
-        cmd.args(["--model", p.to_str().unwrap(), "w5"])
-            .env("RUST_BACKTRACE", "1")
-            .env_remove("RUST_LIB_BACKTRACE")
-            .stdin(Stdio::null());
+    let backtrace_run = |lib: Option<&str>| {
+        let mut cmd = command(&["--model", p.to_str().unwrap(), "w5"]);
+        cmd.env("RUST_BACKTRACE", "1").env_remove("RUST_LIB_BACKTRACE");
         if let Some(v) = lib {
             cmd.env("RUST_LIB_BACKTRACE", v);
         }
-        let out = cmd.output().unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        run(&mut cmd, None)
     };
     let has_frames = |err: &str| err.contains("Error::bt") || err.contains(" 0: ");
-    let (code, err) = run(None);
-    assert_eq!(code, Some(1), "{err}");
+    let r = backtrace_run(None);
+    let err = &r.stderr;
+    assert_eq!(r.status.code(), Some(1), "{err}");
     assert_eq!(err.lines().count(), 1, "{err}");
     assert!(
         err.starts_with("error: ") && err.contains("not a readable GGUF file"),
         "{err}"
     );
-    assert!(!has_frames(&err), "backtrace in the message: {err}");
-    let (_, err) = run(Some("1"));
+    assert!(!has_frames(err), "backtrace in the message: {err}");
+    let err = backtrace_run(Some("1")).stderr;
     assert!(has_frames(&err), "RUST_LIB_BACKTRACE=1 shows no backtrace: {err}");
 }

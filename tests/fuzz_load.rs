@@ -10,10 +10,10 @@ mod common;
 
 use candle_core::quantized::gguf_file::Value;
 use candle_core::quantized::{GgmlDType, QTensor};
+use common::decoding::{esp, greedy};
 use common::TinySpec;
-use probespec::cli::{make_drafter, MethodArg, MethodArgs};
-use probespec::decode::ar::Autoregressive;
 use probespec::decode::generate::generate;
+use probespec::decode::method::{EspTree, Method};
 use probespec::model::load::{load_model, LoadOptions, ModelSource};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -41,15 +41,11 @@ fn attempt(source: &ModelSource) -> Outcome {
         if prompt.is_empty() {
             prompt.push(0);
         }
-        let params = common::greedy(4, vec![]);
-        let g = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(()))?;
+        let params = greedy(4, vec![]);
+        let mut ar = Method::Ar.drafter(0)?;
+        let g = generate(&m.model, &prompt, ar.as_mut(), &params, &mut |_| Ok(()))?;
         m.tokenizer.decode(&g.tokens)?;
-        let esp = MethodArgs {
-            method: MethodArg::Esp,
-            bc: 10,
-            ..MethodArgs::default()
-        };
-        let mut d = make_drafter(&esp, 0)?;
+        let mut d = esp(10, 1, EspTree::Dynamic).drafter(0)?;
         generate(&m.model, &prompt, d.as_mut(), &params, &mut |_| Ok(()))?;
         Ok(())
     };
@@ -115,22 +111,14 @@ impl Tally {
 
 /// The binary on a corrupt model: exit status 1, one line on stderr, no panic.
 fn binary_fails_cleanly(model: &Path) {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_probespec"))
-        .args([
-            "--model",
-            model.to_str().unwrap(),
-            "--max-new-tokens",
-            "4",
-            "w5 w6",
-        ])
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!err.contains("panicked"), "{}: {err}", model.display());
-    assert_eq!(out.status.code(), Some(1), "{}: {err}", model.display());
-    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    assert!(err.starts_with("error: "), "{err}");
+    common::binary::probespec(&[
+        "--model",
+        model.to_str().unwrap(),
+        "--max-new-tokens",
+        "4",
+        "w5 w6",
+    ])
+    .errors_with("");
 }
 
 fn spec(seed: u64) -> TinySpec {

@@ -257,7 +257,7 @@ fn tree_mask_block_equals_each_branch_alone() {
 
 #[test]
 fn gguf_and_safetensors_give_the_same_greedy_tokens() {
-    use probespec::decode::ar::Autoregressive;
+    use probespec::decode::drafters::ar::Autoregressive;
     use probespec::decode::generate::{generate, GenerateParams};
     for spec in [TinySpec::llama(), TinySpec::qwen3()] {
         let dir = common::tempdir();

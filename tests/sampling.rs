@@ -15,14 +15,12 @@
 
 mod common;
 
+use common::decoding::{esp, greedy, hybrid, lookahead, pld, prompts, run};
 use common::TinySpec;
-use probespec::cli::{HybridModeArg, MethodArg, MethodArgs};
-use probespec::decode::ar::Autoregressive;
-use probespec::decode::generate::{generate, GenerateParams};
+use probespec::decode::generate::GenerateParams;
+use probespec::decode::method::{EspTree, Method, MethodKind};
 use probespec::decode::sampling::SamplingParams;
 use probespec::model::{BlockMask, Transformer};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 
 /// Runs (seeds) per method and setting.
@@ -30,53 +28,14 @@ const RUNS: u64 = 600;
 
 type Pair = (u32, u32);
 
-fn methods() -> Vec<(&'static str, MethodArgs)> {
+/// Plain decoding first: the others are compared with its samples.
+fn methods() -> Vec<Method> {
     vec![
-        (
-            "ar",
-            MethodArgs {
-                method: MethodArg::Ar,
-                ..MethodArgs::default()
-            },
-        ),
-        (
-            "esp",
-            MethodArgs {
-                method: MethodArg::Esp,
-                bc: 30,
-                masks: 1,
-                ..MethodArgs::default()
-            },
-        ),
-        (
-            "pld",
-            MethodArgs {
-                method: MethodArg::Pld,
-                ngram: 3,
-                draft_len: 10,
-                ..MethodArgs::default()
-            },
-        ),
-        (
-            "lookahead",
-            MethodArgs {
-                method: MethodArg::Lookahead,
-                lookahead_window: 7,
-                lookahead_ngram: 5,
-                lookahead_guesses: 7,
-                ..MethodArgs::default()
-            },
-        ),
-        (
-            "hybrid",
-            MethodArgs {
-                method: MethodArg::Hybrid,
-                bc: 30,
-                masks: 1,
-                hybrid_mode: HybridModeArg::Scored,
-                ..MethodArgs::default()
-            },
-        ),
+        Method::Ar,
+        esp(30, 1, EspTree::Dynamic),
+        pld(3, 10),
+        lookahead(7, 5, 7),
+        hybrid(30, 1),
     ]
 }
 
@@ -96,38 +55,15 @@ fn model_and_context() -> (tempfile::TempDir, Transformer, Vec<u32>) {
     let mut spec = TinySpec::llama();
     spec.scale = 0.5; // sharp enough that the model loops, diverse enough to sample from
     let (dir, model) = common::load_tiny(&spec);
-    let mut rng = StdRng::seed_from_u64(26);
-    let pld = &methods()[2].1;
-    let context = (0..30)
-        .map(|i| {
-            let l = rng.random_range(10..24);
-            let p: Vec<u32> = match i % 3 {
-                2 => {
-                    let motif: Vec<u32> = (0..4).map(|_| rng.random_range(4..256)).collect();
-                    (0..l).map(|j| motif[j % 4]).collect()
-                }
-                1 => {
-                    let mut p: Vec<u32> = (0..l).map(|_| rng.random_range(4..256)).collect();
-                    let (a, k) = (rng.random_range(0..l / 2), l / 4);
-                    for j in 0..k {
-                        p[l - k + j] = p[a + j];
-                    }
-                    p
-                }
-                _ => (0..l).map(|_| rng.random_range(4..256)).collect(),
-            };
-            let g = generate(
-                &model,
-                &p,
-                &mut Autoregressive,
-                &common::greedy(40, vec![]),
-                &mut |_| Ok(()),
-            )
-            .unwrap();
+    let pld = &methods()[2];
+    let context = prompts(30, 10..24, 26)
+        .into_iter()
+        .map(|p| {
+            let g = run(&model, &p, &Method::Ar, &greedy(40, vec![]));
             [p, g.tokens].concat()
         })
         .max_by_key(|p| {
-            let g = common::run(&model, p, pld, &common::greedy(8, vec![]));
+            let g = run(&model, p, pld, &greedy(8, vec![]));
             (g.tokens.len() - g.stats.model_calls, std::cmp::Reverse(p.len()))
         })
         .unwrap();
@@ -211,7 +147,7 @@ fn exact_pairs(
 fn sample_pairs(
     model: &Transformer,
     context: &[u32],
-    m: &MethodArgs,
+    m: &Method,
     params: &SamplingParams,
     first_seed: u64,
 ) -> (HashMap<Pair, usize>, usize) {
@@ -231,7 +167,7 @@ fn count(pairs: &[Pair]) -> HashMap<Pair, usize> {
 fn sample_pair_list(
     model: &Transformer,
     context: &[u32],
-    m: &MethodArgs,
+    m: &Method,
     params: &SamplingParams,
     first_seed: u64,
 ) -> (Vec<Pair>, usize) {
@@ -243,7 +179,7 @@ fn sample_pair_list(
             sampling: SamplingParams { seed, ..*params },
             stop_tokens: vec![],
         };
-        let g = common::run(model, context, m, &p);
+        let g = run(model, context, m, &p);
         assert_eq!(g.tokens.len(), 3);
         pairs.push((g.tokens[0], g.tokens[1]));
         if g.stats.model_calls < 2 {
@@ -276,11 +212,12 @@ fn fit(
 
 /// Every method's (t1, t2) against the exact distribution, and against plain decoding with disjoint seeds
 /// (method i uses seeds i * RUNS..(i + 1) * RUNS). Returns how many runs accepted t2 as a draft, per method.
-fn every_method_keeps_the_distribution(params: SamplingParams) -> HashMap<&'static str, usize> {
+fn every_method_keeps_the_distribution(params: SamplingParams) -> HashMap<MethodKind, usize> {
     let (_d, model, context) = model_and_context();
     let mut ar_counts = None;
     let mut accepted = HashMap::new();
-    for (i, (name, m)) in methods().into_iter().enumerate() {
+    for (i, m) in methods().into_iter().enumerate() {
+        let name = m.kind();
         let (counts, acc) = sample_pairs(&model, &context, &m, &params, i as u64 * RUNS);
         let (stat, df, crit) = fit(&model, &context, &counts, &params);
         eprintln!(
@@ -311,9 +248,9 @@ fn every_method_keeps_the_distribution(params: SamplingParams) -> HashMap<&'stat
 
 /// Each drafter must get drafts accepted at the verification step tested in `min` of the runs, or the
 /// test would only see bonus tokens.
-fn assert_drafts_accepted(accepted: &HashMap<&str, usize>, min: usize) {
+fn assert_drafts_accepted(accepted: &HashMap<MethodKind, usize>, min: usize) {
     for (name, &n) in accepted {
-        if *name != "ar" {
+        if *name != MethodKind::Ar {
             assert!(
                 n >= min,
                 "{name}: t2 accepted as a draft in only {n} of {RUNS} runs"
@@ -354,7 +291,7 @@ fn every_method_samples_the_exact_distribution_with_top_k_5() {
 #[test]
 fn the_tests_reject_a_wrong_distribution() {
     let (_d, model, context) = model_and_context();
-    let esp = &methods()[1].1;
+    let esp = &methods()[1];
     let (cold, _) = sample_pairs(&model, &context, esp, &sampling(0.7, 1.0, 0), 0);
     let (hot, _) = sample_pairs(&model, &context, esp, &sampling(1.0, 1.0, 0), RUNS);
 

@@ -3,22 +3,20 @@
 
 mod common;
 
-use candle_core::{DType, Device};
-use probespec::cli::{encode_prompt, make_drafter, MaskInitArg, MethodArg, MethodArgs, TreeArg};
-use probespec::decode::ar::Autoregressive;
-use probespec::decode::generate::{generate, GenerateParams};
-use probespec::model::load::{load_model, LoadOptions, LoadedModel, ModelSource};
+use candle_core::DType;
+use common::decoding::esp;
+use probespec::decode::generate::{FinishReason, GenerateParams};
+use probespec::decode::method::{Budget, EspTree, Method};
+use probespec::session::{DeviceKind, ModelOptions, Session};
 
-fn smollm2() -> LoadedModel {
+fn smollm2() -> Session {
     let path = common::smollm2_path();
-    load_model(
-        &ModelSource::Gguf(path),
-        &LoadOptions {
-            device: Device::Cpu,
-            dtype: DType::F32,
-            dequantize: false,
-        },
-    )
+    Session::load(&ModelOptions {
+        model: Some(path.to_str().unwrap().to_string()),
+        device: DeviceKind::Cpu,
+        dtype: Some(DType::F32),
+        dequantize: false,
+    })
     .unwrap()
 }
 
@@ -58,34 +56,28 @@ fn specbench_prompts(per_group: usize) -> Vec<(String, String)> {
 #[test]
 fn greedy_answer_is_deterministic_and_sensible() {
     let m = smollm2();
-    let prompt = encode_prompt(&m.tokenizer, "What is the capital of France?", None, true).unwrap();
+    let prompt = m
+        .encode_prompt("What is the capital of France?", None, true)
+        .unwrap();
     let params = GenerateParams {
         max_new_tokens: 24,
         sampling: Default::default(),
-        stop_tokens: m.tokenizer.stop_tokens().to_vec(),
+        stop_tokens: m.stop_tokens(),
     };
-    let a = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
-    let b = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
+    let a = m
+        .generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))
+        .unwrap();
+    let b = m
+        .generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))
+        .unwrap();
     assert_eq!(a.tokens, b.tokens);
     let text = m.tokenizer.decode(&a.tokens).unwrap();
     assert!(text.contains("Paris"), "unexpected answer: {text}");
     assert_eq!(
-        a.finish_reason, "stop_token",
+        a.finish_reason,
+        FinishReason::StopToken,
         "the answer should end with the end-of-turn token: {text}"
     );
-}
-
-fn esp(bc: usize, masks: usize, tree: TreeArg, branches: Option<Vec<usize>>) -> MethodArgs {
-    MethodArgs {
-        method: MethodArg::Esp,
-        bc,
-        masks,
-        tree,
-        branches,
-        mask_init: MaskInitArg::Mean,
-        mask_lambda: 0.1,
-        ..MethodArgs::default()
-    }
 }
 
 #[test]
@@ -96,27 +88,22 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     let params = GenerateParams {
         max_new_tokens: 48,
         sampling: Default::default(),
-        stop_tokens: m.tokenizer.stop_tokens().to_vec(),
+        stop_tokens: m.stop_tokens(),
     };
     let configs = [
-        esp(30, 1, TreeArg::Dynamic, None),
-        esp(10, 1, TreeArg::Static, None),
-        esp(60, 2, TreeArg::Static, Some(vec![15, 4])),
+        esp(30, 1, EspTree::Dynamic),
+        esp(10, 1, EspTree::Static(None)),
+        esp(60, 2, EspTree::Static(Some(vec![15, 4]))),
     ];
     let (mut committed, mut calls) = (0usize, 0usize);
     for (i, (cat, text)) in prompts.iter().enumerate() {
-        let ids = encode_prompt(&m.tokenizer, text, None, true).unwrap();
-        let want = generate(&m.model, &ids, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
+        let ids = m.encode_prompt(text, None, true).unwrap();
+        let want = m.generate(&ids, &Method::Ar, &params, &mut |_| Ok(())).unwrap();
         // Every prompt under the main configuration; the others on every third prompt to bound the run time.
         for cfg in if i % 3 == 0 { &configs[..] } else { &configs[..1] } {
-            let mut d = make_drafter(cfg, 0).unwrap();
-            let got = generate(&m.model, &ids, d.as_mut(), &params, &mut |_| Ok(())).unwrap();
-            assert_eq!(
-                got.tokens, want.tokens,
-                "mismatch on prompt {i} ({cat}), bc {} k {}",
-                cfg.bc, cfg.masks
-            );
-            if cfg.bc == 30 {
+            let got = m.generate(&ids, cfg, &params, &mut |_| Ok(())).unwrap();
+            assert_eq!(got.tokens, want.tokens, "mismatch on prompt {i} ({cat}), {cfg:?}");
+            if cfg.budget() == Some(Budget::Fixed(30)) {
                 committed += got.stats.committed_by_calls();
                 calls += got.stats.model_calls;
             }

@@ -1,6 +1,15 @@
-//! Test fixtures: tiny random LLaMA / Qwen 3 checkpoints written to disk as HF folders and GGUF files, and
-//! the path of the real SmolLM2 model.
+//! Code shared by the integration tests (each tests/*.rs is its own crate, so not every test uses all of it).
+//!
+//! - here: tiny random LLaMA / Qwen 3 checkpoints written to disk as HF folders and GGUF files, the path of
+//!   the real SmolLM2 model, and the exact sampling distribution with the chi-square statistics that test
+//!   samples against it;
+//! - [`decoding`]: the test prompts, the method configurations, and the lossless check (every method
+//!   token-identical to plain decoding);
+//! - [`binary`]: running the `probespec` binary and checking how it exits.
 #![allow(dead_code)]
+
+pub mod binary;
+pub mod decoding;
 
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{Device, Tensor};
@@ -452,26 +461,6 @@ pub fn load_tiny(spec: &TinySpec) -> (tempfile::TempDir, probespec::model::Trans
     let source = probespec::model::load::ModelSource::HfDir(dir.path().to_path_buf());
     let m = probespec::model::load::load_model(&source, &opts).unwrap().model;
     (dir, m)
-}
-
-/// Generates with the drafter a method's flags describe.
-pub fn run(
-    model: &probespec::model::Transformer,
-    prompt: &[u32],
-    m: &probespec::cli::MethodArgs,
-    params: &probespec::decode::generate::GenerateParams,
-) -> probespec::decode::generate::Generation {
-    let mut d = probespec::cli::make_drafter(m, params.sampling.seed).unwrap();
-    probespec::decode::generate::generate(model, prompt, d.as_mut(), params, &mut |_| Ok(())).unwrap()
-}
-
-/// Greedy decoding of at most `max_new` tokens, stopping at `stops`.
-pub fn greedy(max_new: usize, stops: Vec<u32>) -> probespec::decode::generate::GenerateParams {
-    probespec::decode::generate::GenerateParams {
-        max_new_tokens: max_new,
-        sampling: Default::default(),
-        stop_tokens: stops,
-    }
 }
 
 /// Rewrites a GGUF file after `edit` changed its metadata and tensors (what a corrupt or inconsistent

@@ -1,0 +1,218 @@
+//! Decoding on the tiny checkpoints: the test prompts, the method configurations, and the lossless check
+//! (every configuration token-identical to plain decoding, with the same finish reason).
+
+use probespec::decode::generate::{generate, GenerateParams, Generation};
+use probespec::decode::method::{
+    Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, Masks, Method, MethodKind, PldConfig,
+};
+use probespec::model::Transformer;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
+
+/// Random prompts over the tiny vocabulary (ids 4..256); every third one repeats a short motif, and every
+/// third one copies a random stretch of itself, so ESP's masks, prompt lookup and the n-gram pool all find
+/// something to draft from.
+pub fn prompts(n: usize, len: std::ops::Range<usize>, seed: u64) -> Vec<Vec<u32>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..n)
+        .map(|i| {
+            let l = rng.random_range(len.clone());
+            match i % 3 {
+                2 => {
+                    let motif: Vec<u32> = (0..4).map(|_| rng.random_range(4..256)).collect();
+                    (0..l).map(|j| motif[j % 4]).collect()
+                }
+                1 => {
+                    let mut p: Vec<u32> = (0..l).map(|_| rng.random_range(4..256)).collect();
+                    if l > 8 {
+                        let (a, k) = (rng.random_range(0..l / 2), l / 4);
+                        for j in 0..k {
+                            p[l - k + j] = p[a + j];
+                        }
+                    }
+                    p
+                }
+                _ => (0..l).map(|_| rng.random_range(4..256)).collect(),
+            }
+        })
+        .collect()
+}
+
+/// One-token prompts, one per id in `ids` (spread over the vocabulary).
+pub fn one_token_prompts(ids: std::ops::Range<u32>) -> Vec<Vec<u32>> {
+    ids.map(|t| vec![t * 17 % 252 + 4]).collect()
+}
+
+/// Greedy decoding of at most `max_new` tokens, stopping at `stops`.
+pub fn greedy(max_new: usize, stops: Vec<u32>) -> GenerateParams {
+    GenerateParams {
+        max_new_tokens: max_new,
+        sampling: Default::default(),
+        stop_tokens: stops,
+    }
+}
+
+/// Generates with `method`'s drafter (seeded by the sampling seed, as the CLI does).
+pub fn run(model: &Transformer, prompt: &[u32], method: &Method, params: &GenerateParams) -> Generation {
+    let mut d = method
+        .drafter(params.sampling.seed)
+        .unwrap_or_else(|e| panic!("{method:?}: {e:#}"));
+    generate(model, prompt, d.as_mut(), params, &mut |_| Ok(())).unwrap()
+}
+
+fn masks(k: usize) -> Masks {
+    Masks {
+        count: k,
+        ..Masks::default()
+    }
+}
+
+/// ESP with `k` masks per node at block complexity `bc` (mean-initialised masks, lambda 0.1).
+pub fn esp(bc: usize, k: usize, tree: EspTree) -> Method {
+    Method::Esp(EspSpec {
+        masks: masks(k),
+        budget: Budget::Fixed(bc),
+        tree,
+    })
+}
+
+/// ESP with `--bc auto`: plain steps, probing steps and trees, as the measured cost curve and acceptance
+/// decide.
+pub fn esp_auto(k: usize) -> Method {
+    Method::Esp(EspSpec {
+        masks: masks(k),
+        budget: Budget::Auto,
+        tree: EspTree::Dynamic,
+    })
+}
+
+pub fn pld(max_ngram: usize, draft_len: usize) -> Method {
+    Method::Pld(PldConfig { max_ngram, draft_len })
+}
+
+pub fn lookahead(window: usize, ngram: usize, guesses: usize) -> Method {
+    Method::Lookahead(LookaheadConfig {
+        window,
+        ngram,
+        guesses,
+        seed: 0,
+    })
+}
+
+/// Hybrid with `k` masks at block complexity `bc`, prompt lookup at its defaults (n-gram 3, chains of 10).
+pub fn hybrid(bc: usize, k: usize) -> Method {
+    Method::Hybrid(HybridSpec {
+        masks: masks(k),
+        budget: Budget::Fixed(bc),
+        lookup: PldConfig::default(),
+    })
+}
+
+/// Every ESP configuration: k = 1..=3 at BC 10/30/60, dynamic and static trees, --bc auto, explicit branches
+/// (the paper's among them, docs/ESP.md).
+pub fn esp_configs() -> Vec<Method> {
+    let mut v = Vec::new();
+    for k in 1..=3 {
+        for bc in [10, 30, 60] {
+            if bc < 2 * (k + 1) {
+                continue;
+            }
+            v.push(esp(bc, k, EspTree::Dynamic));
+            v.push(esp(bc, k, EspTree::Static(None)));
+        }
+    }
+    v.push(esp_auto(1));
+    v.push(esp(60, 2, EspTree::Static(Some(vec![15, 4]))));
+    v.push(esp(60, 3, EspTree::Static(Some(vec![7, 5, 3]))));
+    v
+}
+
+pub fn pld_configs() -> Vec<Method> {
+    vec![pld(3, 10), pld(1, 10), pld(2, 5), pld(3, 1), pld(4, 16)]
+}
+
+/// Spec-Bench's setting, the paper's three BC-matched settings, and degenerate ones.
+pub fn lookahead_configs() -> Vec<Method> {
+    vec![
+        lookahead(7, 5, 7),
+        lookahead(4, 3, 1),
+        lookahead(5, 4, 5),
+        lookahead(8, 5, 7),
+        lookahead(1, 2, 1),
+    ]
+}
+
+pub fn hybrid_configs() -> Vec<Method> {
+    [(10, 1), (30, 1), (60, 1), (30, 2), (60, 2), (12, 3)]
+        .into_iter()
+        .map(|(bc, k)| hybrid(bc, k))
+        .collect()
+}
+
+/// The configurations of the drafters other than ESP: prompt lookup, lookahead, hybrid.
+pub fn peer_configs() -> Vec<Method> {
+    let mut v = pld_configs();
+    v.extend(lookahead_configs());
+    v.extend(hybrid_configs());
+    v
+}
+
+/// Every configuration of every speculative method.
+pub fn all_configs() -> Vec<Method> {
+    let mut v = esp_configs();
+    v.extend(peer_configs());
+    v
+}
+
+/// Pooled (committed, calls, runs) per method.
+pub type Pooled = HashMap<MethodKind, (usize, usize, usize)>;
+
+/// Checks every configuration against plain decoding on every prompt: same tokens, same finish reason,
+/// every token but the first committed by a model call; zero mismatches allowed. Returns what each method
+/// committed, pooled over its configurations and the prompts.
+pub fn check_all(
+    model: &Transformer,
+    prompts: &[Vec<u32>],
+    configs: &[Method],
+    params: &GenerateParams,
+) -> Pooled {
+    let mut pooled = Pooled::new();
+    for p in prompts {
+        let want = run(model, p, &Method::Ar, params);
+        for m in configs {
+            let got = run(model, p, m, params);
+            assert_eq!(got.tokens, want.tokens, "mismatch: {m:?}, prompt len {}", p.len());
+            assert_eq!(got.finish_reason, want.finish_reason, "{m:?}");
+            assert_eq!(
+                got.stats.committed_by_calls(),
+                got.tokens.len() - 1,
+                "{m:?}: every token but the first is committed by a call"
+            );
+            assert_eq!(got.stats.method, m.kind());
+            let e = pooled.entry(m.kind()).or_default();
+            e.0 += got.stats.committed_by_calls();
+            e.1 += got.stats.model_calls;
+            e.2 += 1;
+        }
+    }
+    pooled
+}
+
+/// Tokens committed per model call, pooled over a method's runs.
+pub fn tau(p: &Pooled, method: MethodKind) -> f64 {
+    let (c, n, _) = p[&method];
+    c as f64 / n as f64
+}
+
+/// Fails unless every method in `pooled` committed more than 1.05 tokens per call: the speculative path
+/// must actually be exercised, or a lossless check proves nothing.
+pub fn assert_acceptance_exercised(pooled: &Pooled) {
+    let mut kinds: Vec<MethodKind> = pooled.keys().copied().collect();
+    kinds.sort_by_key(|k| k.name());
+    for m in kinds {
+        let t = tau(pooled, m);
+        eprintln!("pooled {m} tau {t:.3}");
+        assert!(t > 1.05, "{m}: tau {t:.3} too low to exercise acceptance");
+    }
+}
