@@ -29,6 +29,7 @@ fn model(dequantize: bool) -> probespec::model::LoadedModel {
             device: Device::Cpu,
             dtype: DType::F32,
             dequantize,
+            activations: Default::default(),
         },
     )
     .unwrap()

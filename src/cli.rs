@@ -51,10 +51,20 @@ pub struct ModelArgs {
     /// Weight and activation dtype (default: f32 on CPU, bf16 on GPU).
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
-    /// Dequantise GGUF Q4_0/Q4_1/Q8_0 weights at load instead of reading their blocks on the CPU (same
-    /// output, more memory and memory traffic; for comparisons).
+    /// Dequantise GGUF Q4_0/Q4_1/Q8_0 weights at load instead of reading their blocks on the CPU (the
+    /// output of `--activations f32`, more memory and memory traffic; for comparisons).
     #[arg(long)]
     pub dequantize: bool,
+    /// Activations for GGUF Q4_0/Q4_1/Q8_0 weights on the CPU: q8 (8-bit, integer dot products; fast) or
+    /// f32 (the dequantised model's exact numbers).
+    #[arg(long, value_enum, default_value_t = ActivationsArg::Q8)]
+    pub activations: ActivationsArg,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivationsArg {
+    Q8,
+    F32,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -255,6 +265,10 @@ pub fn load(args: &ModelArgs) -> Result<LoadedModel> {
             device,
             dtype,
             dequantize: args.dequantize,
+            activations: match args.activations {
+                ActivationsArg::Q8 => crate::model::load::Activations::Q8,
+                ActivationsArg::F32 => crate::model::load::Activations::F32,
+            },
         },
     )
 }

@@ -17,6 +17,7 @@ fn smollm2() -> LoadedModel {
             device: Device::Cpu,
             dtype: DType::F32,
             dequantize: false,
+            activations: Default::default(),
         },
     )
     .unwrap()

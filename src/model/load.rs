@@ -2,7 +2,7 @@
 //! and its tokenizer from safetensors or GGUF weights.
 
 use super::{Arch, Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
-use crate::kernels::{BlockFormat, BlockMatrix};
+use crate::kernels::{BlockFormat, BlockMatrix, PackedMatrix};
 use crate::tokenizer::TextTokenizer;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
@@ -83,10 +83,23 @@ impl ModelSource {
 pub struct LoadOptions {
     pub device: Device,
     pub dtype: DType,
-    /// Dequantise GGUF weights to dense `dtype` at load even where the CPU block kernel could read them
-    /// in place: the same numbers (the block kernel is bit-identical to the dense one), 4-7x the memory
-    /// traffic per token. For comparisons.
+    /// Dequantise GGUF weights to dense `dtype` at load even where the CPU block kernels could read them
+    /// in place: the numbers of `Activations::F32` (that block kernel is bit-identical to the dense
+    /// one), 4-7x the memory traffic per token. For comparisons.
     pub dequantize: bool,
+    /// How the CPU multiplies GGUF Q4_0 / Q4_1 / Q8_0 blocks (ignored for dense weights).
+    pub activations: Activations,
+}
+
+/// The activations GGUF block weights are multiplied with on the CPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// Quantised per row to 8 bits in blocks of 32, products in integers: several times faster than
+    /// f32, numbers within the activation rounding of f32's. Row-invariant like every CPU path.
+    #[default]
+    Q8,
+    /// f32: bit-identical to the dense f32 kernel on the dequantised weights (and to `dequantize`).
+    F32,
 }
 
 pub struct LoadedModel {
@@ -295,8 +308,9 @@ const DENSE_CPU_MAX_PARAMS: usize = 1 << 30;
 enum GgufMatrix {
     /// Dequantised once at load (float formats; small models in formats without a block kernel).
     Dense,
-    /// Kept in its blocks for the row-invariant CPU block kernel (Q4_0, Q4_1, Q8_0 on the CPU): the
-    /// same numbers as `Dense`, 4-7x fewer bytes read per token.
+    /// Kept in its blocks for a row-invariant CPU block kernel (Q4_0, Q4_1, Q8_0 on the CPU), 4-7x
+    /// fewer bytes read per token than `Dense`: with f32 activations (the same numbers as `Dense`) or,
+    /// repacked, with 8-bit ones (LoadOptions::activations).
     Blocks(BlockFormat),
     /// candle's quantised matmul: every format on a GPU, large models in other formats on the CPU.
     /// (On the CPU it quantises activations to 8 bits, computing each row alone.)
@@ -380,7 +394,10 @@ fn build_from_gguf(
                     Some(r) => b.select_rows(&r),
                     None => b,
                 };
-                Linear::new(Weight::Blocks(b), None)
+                match opts.activations {
+                    Activations::F32 => Linear::new(Weight::Blocks(b), None),
+                    Activations::Q8 => Linear::new(Weight::Packed(PackedMatrix::pack(&b)), None),
+                }
             }
             GgufMatrix::Candle => {
                 let l = Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None);
