@@ -77,8 +77,8 @@ const fn stride(f: BlockFormat) -> usize {
     heads_bytes(f) + quant_bytes(f)
 }
 
-/// `c` such that `isum = Σ u · q - c · Σq`, where `u` is the unsigned byte stored for a weight: the
-/// nibble (Q4_0: weight + 8; Q4_1: the weight), or the int8 weight + 128 (Q8_0).
+/// `c` such that a weight is `u - c`, where `u` is the unsigned byte stored for it: the nibble (Q4_0:
+/// weight + 8; Q4_1: the weight), or the int8 weight + 128 (Q8_0). So `isum = Σ u·q - c·Σq`.
 const fn offset(f: BlockFormat) -> i32 {
     match f {
         BlockFormat::Q4_0 => 8,
@@ -173,9 +173,10 @@ pub struct QuantRows {
     s: Vec<f32>,
 }
 
-/// Adding then subtracting 1.5·2^23 rounds an f32 of magnitude below 2^22 to an integer, ties to
-/// even, in the default rounding mode: the same rule as `round_ties_even`, and it vectorises on the
-/// baseline x86_64 target (which has no rounding instruction).
+/// Adding 1.5·2^23 to an f32 of magnitude below 2^22 rounds it to an integer, ties to even, in the
+/// default rounding mode (the same rule as `round_ties_even`), and leaves that integer in the low bits:
+/// `bits(v + MAGIC) - bits(MAGIC)`. Pure f32 additions and integer subtractions, so the quantisation
+/// vectorises on the baseline x86_64 target (which has no rounding instruction).
 const ROUND_MAGIC: f32 = 12_582_912.0;
 
 /// Quantises each row of `x` (`[rows, cols]`, `cols` a multiple of 32) on its own, per block of 32.
@@ -199,14 +200,19 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
         sum: vec![0; blocks],
         s: vec![0.0; blocks],
     };
+    let magic = ROUND_MAGIC.to_bits() as i32;
     for (i, (xs, qs)) in x
         .chunks_exact(BLOCK)
         .zip(out.q.chunks_exact_mut(BLOCK))
         .enumerate()
     {
+        let xs: &[f32; BLOCK] = xs.try_into().unwrap();
         // The largest magnitude as bits: integer order is magnitude order for non-negative floats,
-        // and every NaN sorts above infinity. (One pass that vectorises, NaNs included.)
-        let amax_bits = xs.iter().fold(0u32, |a, v| a.max(v.to_bits() & 0x7fff_ffff));
+        // and every NaN sorts above infinity.
+        let mut amax_bits = 0u32;
+        for v in xs {
+            amax_bits = amax_bits.max(v.to_bits() & 0x7fff_ffff);
+        }
         let amax = f32::from_bits(amax_bits);
         let (d, id) = if amax.is_nan() {
             (f32::NAN, 0.0)
@@ -215,13 +221,15 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
         } else {
             (0.0, 0.0)
         };
-        let mut sum = 0i32;
-        for (q, &v) in qs.iter_mut().zip(xs) {
-            // |v · id| <= 127 (plus a rounding), so the magic-number rounding applies.
-            let r = ((v * id + ROUND_MAGIC) - ROUND_MAGIC) as i32;
-            *q = r as i8;
-            sum += r;
+        // |v · id| <= 127 plus a rounding, well inside the magic number's range.
+        let mut qi = [0i32; BLOCK];
+        for (q, v) in qi.iter_mut().zip(xs) {
+            *q = (v * id + ROUND_MAGIC).to_bits() as i32 - magic;
         }
+        for (q, v) in qs.iter_mut().zip(qi) {
+            *q = v as i8;
+        }
+        let sum: i32 = qi.iter().sum();
         out.d[i] = d;
         out.sum[i] = sum;
         out.s[i] = d * sum as f32;
@@ -317,53 +325,55 @@ pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut 
     }
 }
 
-/// The portable path: the recipe lane by lane, one activation row at a time.
+/// The portable path: each group-block unpacked once into signed weights `[32][16]` (outputs innermost,
+/// so the integer loops vectorise on any target), then every row of `x` against it.
 mod portable {
     use super::*;
 
     pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
         let (m, k, nb) = (a.rows, a.cols, a.cols / BLOCK);
         let (f, st, hb) = (w.format, stride(w.format), heads_bytes(w.format));
-        let c = offset(f);
+        let c = offset(f) as i16;
+        let mut wq = [[0i16; GROUP]; BLOCK];
+        let (mut dw, mut mw) = ([0f32; GROUP], [0f32; GROUP]);
         for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
-            let g = g0 + gi;
-            for (r, acc) in og.chunks_exact_mut(GROUP).enumerate() {
-                acc.fill(0.0);
-                for b in 0..nb {
-                    let blk = &w.data[(g * nb + b) * st..][..st];
-                    let q = &blk[hb..];
-                    let xq = &a.q[r * k + b * BLOCK..][..BLOCK];
-                    let ab = r * nb + b;
-                    let mut isum = [-c * a.sum[ab]; GROUP];
-                    for (l, s) in isum.iter_mut().enumerate() {
-                        match f {
-                            BlockFormat::Q8_0 => {
-                                for t in 0..8 {
-                                    for i in 0..4 {
-                                        *s += q[64 * t + 4 * l + i] as i32 * xq[4 * t + i] as i32;
-                                    }
-                                }
-                            }
-                            _ => {
-                                for t in 0..4 {
-                                    for i in 0..4 {
-                                        let u = q[64 * t + 4 * l + i];
-                                        *s += (u & 15) as i32 * xq[4 * t + i] as i32
-                                            + (u >> 4) as i32 * xq[16 + 4 * t + i] as i32;
-                                    }
-                                }
+            og.fill(0.0);
+            for b in 0..nb {
+                let blk = &w.data[((g0 + gi) * nb + b) * st..][..st];
+                let q = &blk[hb..];
+                for l in 0..GROUP {
+                    dw[l] = half::f16::from_le_bytes([blk[2 * l], blk[2 * l + 1]]).to_f32();
+                    if f == BlockFormat::Q4_1 {
+                        mw[l] = half::f16::from_le_bytes([blk[32 + 2 * l], blk[33 + 2 * l]]).to_f32();
+                    }
+                    for t in 0..quant_bytes(f) / 64 {
+                        for i in 0..4 {
+                            let u = q[64 * t + 4 * l + i] as i16;
+                            if f == BlockFormat::Q8_0 {
+                                wq[4 * t + i][l] = u - c;
+                            } else {
+                                wq[4 * t + i][l] = (u & 15) - c;
+                                wq[16 + 4 * t + i][l] = (u >> 4) - c;
                             }
                         }
                     }
-                    let dx = a.d[ab];
-                    for (l, o) in acc.iter_mut().enumerate() {
-                        let dw = half::f16::from_le_bytes([blk[2 * l], blk[2 * l + 1]]).to_f32();
-                        let mut t = (dw * dx) * isum[l] as f32;
-                        if f == BlockFormat::Q4_1 {
-                            let mw = half::f16::from_le_bytes([blk[32 + 2 * l], blk[33 + 2 * l]]).to_f32();
-                            t += mw * a.s[ab];
+                }
+                for (r, acc) in og.chunks_exact_mut(GROUP).enumerate() {
+                    let xq = &a.q[r * k + b * BLOCK..][..BLOCK];
+                    let mut isum = [0i32; GROUP];
+                    for (wk, &xv) in wq.iter().zip(xq) {
+                        for (s, &wv) in isum.iter_mut().zip(wk) {
+                            *s += wv as i32 * xv as i32;
                         }
-                        *o += t;
+                    }
+                    let ab = r * nb + b;
+                    let (dx, sx) = (a.d[ab], a.s[ab]);
+                    for l in 0..GROUP {
+                        let mut t = (dw[l] * dx) * isum[l] as f32;
+                        if f == BlockFormat::Q4_1 {
+                            t += mw[l] * sx;
+                        }
+                        acc[l] += t;
                     }
                 }
             }
@@ -896,6 +906,29 @@ mod tests {
         assert!(linear_q8(&x.to_dtype(DType::F16)?, &w).is_err());
         assert!(linear_q8(&x.narrow(1, 0, 32)?, &w).is_err());
         Ok(())
+    }
+
+    /// `cargo test --release --lib q8matmul::tests::handoff -- --ignored --nocapture`: µs per call of
+    /// a small product (SmolLM2's 576 x 576 Q4_1, one row) on one thread, on two threads called from
+    /// outside rayon's pool (as the decode loop does) and from inside it.
+    #[test]
+    #[ignore]
+    fn handoff() {
+        let mut rng = StdRng::seed_from_u64(27);
+        let w = PackedMatrix::pack(&random_blocks(&mut rng, BlockFormat::Q4_1, 576, 576));
+        let x = random_x(&mut rng, 576);
+        let mut y = vec![0.0f32; 576];
+        let pool = |t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
+        let (p1, p2) = (pool(1), pool(2));
+        let one = p1.install(|| crate::kernels::median_ms(0.2, || matmul_q8(&x, &w, &mut y, 1)));
+        let inside = p2.install(|| crate::kernels::median_ms(0.2, || matmul_q8(&x, &w, &mut y, 1)));
+        let outside = crate::kernels::median_ms(0.2, || p2.install(|| matmul_q8(&x, &w, &mut y, 1)));
+        println!(
+            "us per call: 1 thread {:.1}, 2 threads from inside the pool {:.1}, from outside {:.1}",
+            one * 1e3,
+            inside * 1e3,
+            outside * 1e3
+        );
     }
 
     /// `cargo test --release --lib q8matmul::tests::timing -- --ignored --nocapture`: ms per call
