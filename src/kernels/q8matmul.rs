@@ -44,9 +44,16 @@ pub const GROUP: usize = 16;
 /// Activation rows per register tile.
 const TILE_ROWS: usize = 8;
 
-/// Below this many weight-activation products a product runs on the calling thread. (Results do not
-/// depend on it.)
-const PAR_MIN_WORK: usize = 1 << 18;
+/// A product runs on rayon's threads only if its weights are at least this many (memory-bound rows:
+/// worth a second core's bandwidth) ...
+const PAR_MIN_WEIGHTS: usize = 1 << 19;
+
+/// ... or its weight-activation products at least this many (compute-bound blocks of rows). Below both,
+/// handing the work to the pool and waking the caller again (10-20 µs from outside the pool, where the
+/// decode loop runs) costs more than a second core saves: SmolLM2's attention projections run on the
+/// calling thread up to about a dozen rows, its MLP and vocabulary projections always in parallel.
+/// (Results do not depend on it.)
+const PAR_MIN_WORK: usize = 1 << 22;
 
 /// The variants this kernel implements, best first.
 pub const VARIANTS: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Portable];
@@ -294,7 +301,8 @@ pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut 
         _ => panic!("matmul_q8 has no {isa:?} variant"),
     };
     let groups = w.groups();
-    let parallel = m * n * k >= PAR_MIN_WORK && rayon::current_num_threads() > 1;
+    let parallel =
+        (n * k >= PAR_MIN_WEIGHTS || m * n * k >= PAR_MIN_WORK) && rayon::current_num_threads() > 1;
     let tasks = if parallel {
         (4 * rayon::current_num_threads()).min(groups)
     } else {
@@ -792,17 +800,19 @@ mod tests {
     }
 
     /// Each row of a block of 2..16 (and 40) rows is bit-identical to that row alone, on every
-    /// variant, with products large enough to run on two threads.
+    /// variant; and a product split over two threads is bit-identical to one thread's (the weights are
+    /// large enough to be split).
     #[test]
     fn rows_are_invariant() {
         let mut rng = StdRng::seed_from_u64(22);
-        let (k, n) = (576, 200);
+        let (k, n) = (576, 1000);
+        assert!(n * k >= PAR_MIN_WEIGHTS);
         for isa in isas() {
             for format in FORMATS {
                 let w = PackedMatrix::pack(&random_blocks(&mut rng, format, n, k));
                 let x = random_x(&mut rng, 40 * k);
                 let alone: Vec<Vec<f32>> = (0..40)
-                    .map(|i| with_threads(1, || product(isa, &x[i * k..(i + 1) * k], &w, 1)))
+                    .map(|i| with_threads(2, || product(isa, &x[i * k..(i + 1) * k], &w, 1)))
                     .collect();
                 for m in (2..=16).chain([40]) {
                     let y = with_threads(2, || product(isa, &x[..m * k], &w, m));
@@ -812,6 +822,8 @@ mod tests {
                             "{isa:?} {format:?} row {i} of {m}"
                         );
                     }
+                    let y1 = with_threads(1, || product(isa, &x[..m * k], &w, m));
+                    assert!(same_bits(&y, &y1), "{isa:?} {format:?} {m} rows: 1 vs 2 threads");
                 }
             }
         }
@@ -909,26 +921,41 @@ mod tests {
     }
 
     /// `cargo test --release --lib q8matmul::tests::handoff -- --ignored --nocapture`: µs per call of
-    /// a small product (SmolLM2's 576 x 576 Q4_1, one row) on one thread, on two threads called from
-    /// outside rayon's pool (as the decode loop does) and from inside it.
+    /// SmolLM2's products (weights cycled through 30 copies, as in a decoding step) on the calling
+    /// thread alone and on rayon's global pool called from outside it (as the decode loop calls).
     #[test]
     #[ignore]
     fn handoff() {
         let mut rng = StdRng::seed_from_u64(27);
-        let w = PackedMatrix::pack(&random_blocks(&mut rng, BlockFormat::Q4_1, 576, 576));
-        let x = random_x(&mut rng, 576);
-        let mut y = vec![0.0f32; 576];
-        let pool = |t| rayon::ThreadPoolBuilder::new().num_threads(t).build().unwrap();
-        let (p1, p2) = (pool(1), pool(2));
-        let one = p1.install(|| crate::kernels::median_ms(0.2, || matmul_q8(&x, &w, &mut y, 1)));
-        let inside = p2.install(|| crate::kernels::median_ms(0.2, || matmul_q8(&x, &w, &mut y, 1)));
-        let outside = crate::kernels::median_ms(0.2, || p2.install(|| matmul_q8(&x, &w, &mut y, 1)));
-        println!(
-            "us per call: 1 thread {:.1}, 2 threads from inside the pool {:.1}, from outside {:.1}",
-            one * 1e3,
-            inside * 1e3,
-            outside * 1e3
-        );
+        let alone = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        println!("n, k, m: us per call on 1 thread, on the global pool from outside");
+        for (format, n, k) in [
+            (BlockFormat::Q4_1, 192, 576),
+            (BlockFormat::Q4_1, 576, 576),
+            (BlockFormat::Q4_1, 1536, 576),
+            (BlockFormat::Q4_1, 576, 1536),
+        ] {
+            let w: Vec<PackedMatrix> = (0..30)
+                .map(|_| PackedMatrix::pack(&random_blocks(&mut rng, format, n, k)))
+                .collect();
+            for m in [1, 2, 4, 8, 16] {
+                let x = random_x(&mut rng, m * k);
+                let mut y = vec![0.0f32; m * n];
+                let mut i = 0;
+                let mut time = |outside: bool| {
+                    1e3 * crate::kernels::median_ms(0.1, || {
+                        i = (i + 1) % w.len();
+                        if outside {
+                            matmul_q8(&x, &w[i], &mut y, m)
+                        } else {
+                            alone.install(|| matmul_q8(&x, &w[i], &mut y, m))
+                        }
+                    })
+                };
+                let (one, two) = (time(false), time(true));
+                println!("{n:5} {k:5} {m:3}: {one:8.1} {two:8.1}");
+            }
+        }
     }
 
     /// `cargo test --release --lib q8matmul::tests::timing -- --ignored --nocapture`: ms per call
