@@ -7,9 +7,13 @@ use candle_core::{DType, Device};
 use probespec::cli::{encode_prompt, make_drafter, MaskInitArg, MethodArg, MethodArgs, TreeArg};
 use probespec::decode::ar::Autoregressive;
 use probespec::decode::generate::{generate, GenerateParams};
-use probespec::model::load::{load_model, LoadOptions, LoadedModel, ModelSource};
+use probespec::model::load::{load_model, Activations, LoadOptions, LoadedModel, ModelSource};
 
 fn smollm2() -> LoadedModel {
+    smollm2_with(Activations::default())
+}
+
+fn smollm2_with(activations: Activations) -> LoadedModel {
     let path = common::smollm2_path();
     load_model(
         &ModelSource::Gguf(path),
@@ -17,7 +21,7 @@ fn smollm2() -> LoadedModel {
             device: Device::Cpu,
             dtype: DType::F32,
             dequantize: false,
-            activations: Default::default(),
+            activations,
         },
     )
     .unwrap()
@@ -61,24 +65,35 @@ fn specbench_prompts(per_group: usize) -> Vec<(String, String)> {
     out
 }
 
+/// Both activation paths answer a factual question. (With 8-bit activations the first answer token
+/// of "What is the capital of France?" is a near tie, top-2 logits 24.59 vs 24.42, that the rounding
+/// tips away from "The", so that path is asked about Germany.)
 #[test]
 fn greedy_answer_is_deterministic_and_sensible() {
-    let m = smollm2();
-    let prompt = encode_prompt(&m.tokenizer, "What is the capital of France?", None, true).unwrap();
-    let params = GenerateParams {
-        max_new_tokens: 24,
-        sampling: Default::default(),
-        stop_tokens: m.tokenizer.stop_tokens().to_vec(),
-    };
-    let a = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
-    let b = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
-    assert_eq!(a.tokens, b.tokens);
-    let text = m.tokenizer.decode(&a.tokens).unwrap();
-    assert!(text.contains("Paris"), "unexpected answer: {text}");
-    assert_eq!(
-        a.finish_reason, "stop_token",
-        "the answer should end with the end-of-turn token: {text}"
-    );
+    for (activations, question, answer) in [
+        (Activations::F32, "What is the capital of France?", "Paris"),
+        (Activations::Q8, "What is the capital of Germany?", "Berlin"),
+    ] {
+        let m = smollm2_with(activations);
+        let prompt = encode_prompt(&m.tokenizer, question, None, true).unwrap();
+        let params = GenerateParams {
+            max_new_tokens: 24,
+            sampling: Default::default(),
+            stop_tokens: m.tokenizer.stop_tokens().to_vec(),
+        };
+        let a = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
+        let b = generate(&m.model, &prompt, &mut Autoregressive, &params, &mut |_| Ok(())).unwrap();
+        assert_eq!(a.tokens, b.tokens);
+        let text = m.tokenizer.decode(&a.tokens).unwrap();
+        assert!(
+            text.contains(answer),
+            "{activations:?}: unexpected answer: {text}"
+        );
+        assert_eq!(
+            a.finish_reason, "stop_token",
+            "{activations:?}: the answer should end with the end-of-turn token: {text}"
+        );
+    }
 }
 
 fn esp(bc: usize, masks: usize, tree: TreeArg, branches: Option<Vec<usize>>) -> MethodArgs {
