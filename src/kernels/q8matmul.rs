@@ -18,8 +18,9 @@
 //! 2. For output `j` and block `b`, `isum = Σ w_q · q` over the 32 pairs, exactly in i32 (`w_q`: the
 //!    nibble minus 8 for Q4_0, the nibble for Q4_1, the int8 for Q8_0). `|isum| < 2^20`, so `f32(isum)`
 //!    is exact.
-//! 3. `acc = 0`; for each block in increasing order, `t = (d_w · d_x) · f32(isum)`, for Q4_1 `t = t +
-//!    m_w · s_x`, then `acc = acc + t`; every operation rounded to f32, nothing fused.
+//! 3. `acc = 0`; for each block in increasing order, `acc = fma(d_w · d_x, f32(isum), acc)`, then for
+//!    Q4_1 `acc = fma(m_w, s_x, acc)`: a product rounded to f32 and one or two fused multiply-adds
+//!    (single rounding: `vfmadd` on x86, `f32::mul_add` in the portable path), nothing else.
 //!
 //! The integer part is exact in any order and the f32 part is a fixed sequence per output, so every
 //! variant (portable, AVX2, AVX-VNNI, AVX-512 VNNI) gives the same bits, and a row's outputs do not
@@ -379,11 +380,10 @@ mod portable {
                     let ab = r * nb + b;
                     let (dx, sx) = (a.d[ab], a.s[ab]);
                     for l in 0..GROUP {
-                        let mut t = (dw[l] * dx) * isum[l] as f32;
+                        acc[l] = (dw[l] * dx).mul_add(isum[l] as f32, acc[l]);
                         if f == BlockFormat::Q4_1 {
-                            t += mw[l] * sx;
+                            acc[l] = mw[l].mul_add(sx, acc[l]);
                         }
-                        acc[l] += t;
                     }
                 }
             }
@@ -503,11 +503,10 @@ macro_rules! avx256_variant {
                         let s = finish(s, F);
                         let s = _mm256_sub_epi32(s, _mm256_set1_epi32(c * *a.sum.get_unchecked(ab)));
                         let dwx = _mm256_mul_ps(dw, _mm256_set1_ps(*a.d.get_unchecked(ab)));
-                        let mut t = _mm256_mul_ps(dwx, _mm256_cvtepi32_ps(s));
+                        *acc_r = _mm256_fmadd_ps(dwx, _mm256_cvtepi32_ps(s), *acc_r);
                         if F == 1 {
-                            t = _mm256_add_ps(t, _mm256_mul_ps(mw, _mm256_set1_ps(*a.s.get_unchecked(ab))));
+                            *acc_r = _mm256_fmadd_ps(mw, _mm256_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
                         }
-                        *acc_r = _mm256_add_ps(*acc_r, t);
                     }
                 }
                 for (r, acc_r) in acc.iter().enumerate() {
@@ -668,11 +667,10 @@ mod avx512vnni {
             for (r, (acc_r, s)) in acc.iter_mut().zip(isum).enumerate() {
                 let ab = (r0 + r) * nb + b;
                 let dwx = _mm512_mul_ps(dw, _mm512_set1_ps(*a.d.get_unchecked(ab)));
-                let mut t = _mm512_mul_ps(dwx, _mm512_cvtepi32_ps(s));
+                *acc_r = _mm512_fmadd_ps(dwx, _mm512_cvtepi32_ps(s), *acc_r);
                 if F == 1 {
-                    t = _mm512_add_ps(t, _mm512_mul_ps(mw, _mm512_set1_ps(*a.s.get_unchecked(ab))));
+                    *acc_r = _mm512_fmadd_ps(mw, _mm512_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
                 }
-                *acc_r = _mm512_add_ps(*acc_r, t);
             }
         }
         for (r, acc_r) in acc.iter().enumerate() {
