@@ -8,7 +8,7 @@
 //! times 32 activations into a few integer instructions (`vpdpbusd` with VNNI, `vpmaddubsw` on plain
 //! AVX2) and leaves one f32 step per block. The numbers differ from the f32 model's by the activation
 //! rounding (at most half a step of `amax / 127` per value), which plain and speculative decoding
-//! share: on SmolLM2 the logits move by about 0.4 (rms, logits of order 20), which flips the greedy
+//! share: on SmolLM2 the logits move by about 0.3 (rms, logits of order 20), which flips the greedy
 //! choice only at near ties.
 //!
 //! # The per-element recipe (every variant, bit for bit)
