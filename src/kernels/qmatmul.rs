@@ -410,7 +410,6 @@ mod avx2 {
         let rb = w.row_bytes();
         let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
         let wp = w.data.as_ptr().add(j0 * rb);
-        let wide = WIDE;
         for p0 in (0..m).step_by(PANEL_ROWS) {
             let pend = (p0 + PANEL_ROWS).min(m);
             // A group of up to 4 weight rows (about 1-4 KiB) stays in L1 while the panel's rows pass.
@@ -427,7 +426,7 @@ mod avx2 {
                 while r0 < pend {
                     let r = (pend - r0).min(4);
                     let (xr, o) = (xp.add(r0 * k), op.add(c0 * m + r0));
-                    match (r, wide) {
+                    match (r, WIDE) {
                         (1, true) => avx512::run::<F, 1>(&g, xr, o),
                         (2, true) => avx512::run::<F, 2>(&g, xr, o),
                         (3, true) => avx512::run::<F, 3>(&g, xr, o),
@@ -511,8 +510,8 @@ mod avx2 {
     fn dequantize_row<const F: u8>(w: &BlockMatrix, j: usize, out: &mut [f32]) {
         let (bb, row) = (w.format.block_bytes(), w.row(j));
         assert!(out.len() >= w.cols);
-        // SAFETY: selected only for a variant the CPU has (AVX2/FMA/F16C); block `b` lies inside `row` and its 32 outputs
-        // inside `out` (asserted above).
+        // SAFETY: selected only for a variant the CPU has (AVX2/FMA/F16C); block `b` lies inside
+        // `row` and its 32 outputs inside `out` (asserted above).
         unsafe {
             for b in 0..w.cols / BLOCK {
                 store_block::<F>(row.as_ptr().add(b * bb), out.as_mut_ptr().add(b * BLOCK));
