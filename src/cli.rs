@@ -55,8 +55,8 @@ pub struct ModelArgs {
     /// output of `--activations f32`, more memory and memory traffic; for comparisons).
     #[arg(long)]
     pub dequantize: bool,
-    /// Activations for GGUF Q4_0/Q4_1/Q8_0 weights on the CPU: q8 (8-bit, integer dot products; fast) or
-    /// f32 (the dequantised model's exact numbers).
+    /// Activations for GGUF quantised weights on the CPU: q8 (8-bit, integer dot products, fast; Q4_0,
+    /// Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) or f32 (the dequantised model's exact numbers).
     #[arg(long, value_enum, default_value_t = ActivationsArg::Q8)]
     pub activations: ActivationsArg,
 }

@@ -365,52 +365,98 @@ fn block_quantized_gguf_with_f32_activations_equals_its_dequantized_weights_and_
     }
 }
 
-/// The same GGUF with the default 8-bit activations: every row's logits are bit-identical whether the
-/// prompt goes through the whole model one token at a time or in blocks of 2..16 rows, they stay close
-/// to the f32-activation logits (the 8-bit path computes the same model), and ESP, PLD and the hybrid
-/// are token-identical to plain decoding.
-#[test]
-fn block_quantized_gguf_with_q8_activations_is_row_invariant_and_lossless() {
+/// With the default 8-bit activations: every row's logits are bit-identical whether the prompt goes
+/// through the whole model one token at a time or in blocks of 2..16 rows, they stay close to the
+/// logits of the same file dequantised at load (the 8-bit path computes the same model), and ESP, PLD
+/// and the hybrid are token-identical to plain decoding.
+fn q8_activations_are_row_invariant_and_lossless(
+    spec: TinySpec,
+    format: impl Fn(&str) -> candle_core::quantized::GgmlDType,
+    seed: u64,
+) {
     use probespec::model::load::Activations;
-    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
-        let dir = common::tempdir();
-        let qp = dir.path().join("q.gguf");
-        spec.write_gguf_as(&qp, block_format);
-        let q = load_gguf(&qp, false, Activations::Q8);
-        let f = load_gguf(&qp, false, Activations::F32);
-        let prompt: Vec<u32> = (0..37).map(|i| (i * 53 + 11) % 250 + 4).collect();
-        let alone = logits_in_blocks(&q, &prompt, &[1]);
-        for blocks in [vec![37], vec![2], vec![3, 5], vec![7], vec![16], vec![9, 16, 4]] {
-            let got = logits_in_blocks(&q, &prompt, &blocks);
-            assert!(
-                same_bits(&got, &alone),
-                "{:?}: blocks {blocks:?} change the 8-bit path's logits",
-                spec.arch
-            );
-        }
-        let lf = logits_in_blocks(&f, &prompt, &[37]);
+    let dir = common::tempdir();
+    let qp = dir.path().join("q.gguf");
+    spec.write_gguf_as(&qp, format);
+    let q = load_gguf(&qp, false, Activations::Q8);
+    let f = load_gguf(&qp, true, Activations::Q8);
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 53 + 11) % 250 + 4).collect();
+    let alone = logits_in_blocks(&q, &prompt, &[1]);
+    for blocks in [vec![37], vec![2], vec![3, 5], vec![7], vec![16], vec![9, 16, 4]] {
+        let got = logits_in_blocks(&q, &prompt, &blocks);
         assert!(
-            !same_bits(&alone, &lf),
-            "the 8-bit path should round differently from f32"
-        );
-        let scale = lf.iter().fold(0.0f32, |a, v| a.max(v.abs()));
-        let err = alone
-            .iter()
-            .zip(&lf)
-            .map(|(a, b)| (a - b).abs())
-            .fold(0.0f32, f32::max);
-        assert!(
-            err < 0.05 * scale,
-            "{:?}: 8-bit logits differ from f32 by {err} (max |logit| {scale})",
+            same_bits(&got, &alone),
+            "{:?}: blocks {blocks:?} change the 8-bit path's logits",
             spec.arch
         );
-        let configs = [
-            method(MethodArg::Esp, 10, 1, TreeArg::Dynamic, None),
-            method(MethodArg::Esp, 30, 2, TreeArg::Static, None),
-            method(MethodArg::Esp, probespec::cli::BC_AUTO, 1, TreeArg::Dynamic, None),
-            method(MethodArg::Hybrid, 30, 1, TreeArg::Dynamic, None),
-            method(MethodArg::Pld, 30, 1, TreeArg::Dynamic, None),
-        ];
-        check_all(&q, &prompts(6, 1..40, 16), &configs, &common::greedy(40, vec![]));
+    }
+    let lf = logits_in_blocks(&f, &prompt, &[37]);
+    assert!(
+        !same_bits(&alone, &lf),
+        "the 8-bit path should round differently from f32"
+    );
+    let scale = lf.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let err = alone
+        .iter()
+        .zip(&lf)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        err < 0.05 * scale,
+        "{:?}: 8-bit logits differ from f32 by {err} (max |logit| {scale})",
+        spec.arch
+    );
+    let configs = [
+        method(MethodArg::Esp, 10, 1, TreeArg::Dynamic, None),
+        method(MethodArg::Esp, 30, 2, TreeArg::Static, None),
+        method(MethodArg::Esp, probespec::cli::BC_AUTO, 1, TreeArg::Dynamic, None),
+        method(MethodArg::Hybrid, 30, 1, TreeArg::Dynamic, None),
+        method(MethodArg::Pld, 30, 1, TreeArg::Dynamic, None),
+    ];
+    check_all(
+        &q,
+        &prompts(6, 1..40, seed),
+        &configs,
+        &common::greedy(40, vec![]),
+    );
+}
+
+/// The block-format GGUF with the default 8-bit activations.
+#[test]
+fn block_quantized_gguf_with_q8_activations_is_row_invariant_and_lossless() {
+    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
+        q8_activations_are_row_invariant_and_lossless(spec, block_format, 16);
+    }
+}
+
+/// A GGUF in the K-quants (Q4_K attention, Q5_K / Q4_K / Q6_K MLP, Q6_K embeddings and vocabulary
+/// projection; Q8_0 for the attention output, whose width is not a multiple of 256) with the default
+/// 8-bit activations. Widened to 256 so that the K-quants' super-blocks fit.
+#[test]
+fn k_quant_gguf_with_q8_activations_is_row_invariant_and_lossless() {
+    use candle_core::quantized::GgmlDType;
+    let format = |name: &str| {
+        if name.starts_with("token_embd") || name.starts_with("output.") || name.contains("ffn_down") {
+            GgmlDType::Q6K
+        } else if name.contains("attn_output") {
+            GgmlDType::Q8_0
+        } else if name.contains("ffn_gate") {
+            GgmlDType::Q5K
+        } else {
+            GgmlDType::Q4K
+        }
+    };
+    // LLaMA's head_dim is hidden / heads.
+    let llama = TinySpec {
+        head_dim: 64,
+        ..TinySpec::llama()
+    };
+    for spec in [llama, TinySpec::qwen3()] {
+        let spec = TinySpec {
+            hidden: 256,
+            intermediate: 512,
+            ..spec
+        };
+        q8_activations_are_row_invariant_and_lossless(spec, format, 17);
     }
 }

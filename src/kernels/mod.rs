@@ -24,7 +24,7 @@ pub mod qmatmul;
 pub use attention::{attention_f32, Visibility};
 pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
-pub use q8matmul::{linear_q8, matmul_q8, PackedMatrix};
+pub use q8matmul::{linear_q8, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
 
 /// Milliseconds per call of `f`: the median of 9 timed runs, each repeating `f` at least 3 times and for at
