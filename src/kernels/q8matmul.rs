@@ -267,7 +267,11 @@ fn source(f: PackedFormat, row: &[u8], b: usize) -> ([f32; 2], [u8; BLOCK]) {
             };
             let qs = &qs[32 * (s / 2)..][..32];
             for (l, o) in u.iter_mut().enumerate() {
-                *o = if s.is_multiple_of(2) { qs[l] & 15 } else { qs[l] >> 4 };
+                *o = if s.is_multiple_of(2) {
+                    qs[l] & 15
+                } else {
+                    qs[l] >> 4
+                };
                 if f == PackedFormat::Q5K {
                     *o |= ((blk[16 + l] >> s) & 1) << 4;
                 }
@@ -652,16 +656,40 @@ mod portable {
                     if f.two_heads() {
                         h1[l] = w.head(blk, 1, l);
                     }
-                    for (i, wi) in wq.iter_mut().enumerate() {
-                        wi[l] = w.stored(blk, l, i) as i16 - c;
+                }
+                // Chunk bytes 4l + i belong to lane l: stride-4 reads (one `ld4` on NEON).
+                let q = &blk[heads_bytes(f)..];
+                if f.nibbles() {
+                    for t in 0..4 {
+                        let ch = &q[64 * t..64 * t + 64];
+                        for i in 0..4 {
+                            for l in 0..GROUP {
+                                let u = ch[4 * l + i] as i16;
+                                wq[4 * t + i][l] = (u & 15) - c;
+                                wq[16 + 4 * t + i][l] = (u >> 4) - c;
+                            }
+                        }
+                    }
+                } else {
+                    for t in 0..8 {
+                        let ch = &q[64 * t..64 * t + 64];
+                        for i in 0..4 {
+                            for l in 0..GROUP {
+                                wq[4 * t + i][l] = ch[4 * l + i] as i16 - c;
+                            }
+                        }
                     }
                 }
                 for (r, acc) in og.chunks_exact_mut(GROUP).enumerate() {
                     let xq = &a.q[r * k + b * BLOCK..][..BLOCK];
                     let (mut lo, mut hi) = ([0i32; GROUP], [0i32; GROUP]);
-                    for (i, (wk, &xv)) in wq.iter().zip(xq).enumerate() {
-                        let s = if i < 16 { &mut lo } else { &mut hi };
-                        for (s, &wv) in s.iter_mut().zip(wk) {
+                    for (wk, &xv) in wq[..16].iter().zip(&xq[..16]) {
+                        for (s, &wv) in lo.iter_mut().zip(wk) {
+                            *s += wv as i32 * xv as i32;
+                        }
+                    }
+                    for (wk, &xv) in wq[16..].iter().zip(&xq[16..]) {
+                        for (s, &wv) in hi.iter_mut().zip(wk) {
                             *s += wv as i32 * xv as i32;
                         }
                     }
@@ -1393,7 +1421,8 @@ mod tests {
     }
 
     /// `cargo test --release --lib q8matmul::tests::timing -- --ignored --nocapture`: ms per call
-    /// (median of 9) of the f32-activation block kernel and of this kernel on every variant, for
+    /// (median of 9) of the f32-activation block kernel (default and portable variants) and of this
+    /// kernel on every variant, for
     /// SmolLM2's shapes, weights cycled through 30 copies so that they come from memory.
     #[test]
     #[ignore]
@@ -1409,7 +1438,9 @@ mod tests {
                 .collect();
             let packed: Vec<PackedMatrix> = blocks.iter().map(PackedMatrix::pack).collect();
             let isas = isas();
-            println!("{format:?} n={n} k={k} x{copies}: m, ms per call: f32 activations, q8 {isas:?}");
+            println!(
+                "{format:?} n={n} k={k} x{copies}: m, ms per call: f32 activations (default, portable), q8 {isas:?}"
+            );
             for m in [1, 2, 4, 8, 16, 32] {
                 let x = random_x(&mut rng, m * k);
                 let mut y = vec![0.0f32; m * n];
@@ -1418,7 +1449,11 @@ mod tests {
                     i = (i + 1) % copies;
                     crate::kernels::matmul_blocks(&x, &blocks[i], &mut y, m)
                 });
-                print!("{m:4} {f:9.4}");
+                let fp = crate::kernels::median_ms(0.05, || {
+                    i = (i + 1) % copies;
+                    crate::kernels::qmatmul::matmul_blocks_with(Isa::Portable, &x, &blocks[i], &mut y, m)
+                });
+                print!("{m:4} {f:9.4} {fp:9.4}");
                 for &isa in &isas {
                     let t = crate::kernels::median_ms(0.05, || {
                         i = (i + 1) % copies;
