@@ -11,7 +11,8 @@ pub enum Weight {
     /// GGUF Q4_0 / Q4_1 / Q8_0 blocks on the CPU, multiplied with f32 activations by the row-invariant
     /// block kernel.
     Blocks(BlockMatrix),
-    /// The same blocks repacked for the row-invariant kernel with 8-bit activations.
+    /// GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights on the CPU, repacked for the row-invariant
+    /// kernel with 8-bit activations.
     Packed(PackedMatrix),
     /// Other quantised formats, or any on a GPU: candle's quantised matmul.
     Quantized(QMatMul),

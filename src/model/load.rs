@@ -385,8 +385,8 @@ fn build_from_gguf(
     let c = &config;
     let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
     // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
-    // reorder them so one RoPE convention serves every format: dense and block weights get their rows
-    // reordered, candle-quantised ones their outputs.
+    // reorder them so one RoPE convention serves every format: dense, block and packed weights get
+    // their rows reordered, candle-quantised ones their outputs.
     let linear_rows = |q: QTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
         Ok(match gguf_matrix(q.dtype(), dev, params, opts) {
             GgufMatrix::Dense => {
