@@ -28,6 +28,7 @@ fn model(dequantize: bool) -> Session {
         device: DeviceKind::Cpu,
         dtype: Some(DType::F32),
         dequantize,
+        activations: Default::default(),
     })
     .unwrap()
 }

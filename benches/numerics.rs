@@ -18,7 +18,10 @@ use probespec::model::BlockMask;
 use probespec::session::{ModelOptions, Session};
 
 fn env(name: &str, default: usize) -> usize {
-    std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
 }
 
 /// Greedy token after every position of `ids` from `from` on (teacher forcing).
@@ -26,7 +29,9 @@ fn argmax_after(s: &Session, ids: &[u32], from: usize) -> Vec<u32> {
     let m = &s.model;
     let mut cache = m.new_cache(ids.len()).unwrap();
     let pos: Vec<u32> = (0..ids.len() as u32).collect();
-    let h = m.forward(&m.embed(ids).unwrap(), &pos, &BlockMask::Causal, &mut cache).unwrap();
+    let h = m
+        .forward(&m.embed(ids).unwrap(), &pos, &BlockMask::Causal, &mut cache)
+        .unwrap();
     let rows: Vec<usize> = (from..ids.len()).collect();
     let logits = m.logits(&h, &rows).unwrap().to_vec2::<f32>().unwrap();
     logits.iter().map(|l| argmax(l)).collect()
@@ -60,11 +65,20 @@ fn main() {
             sampling: Default::default(),
             stop_tokens: f32s.stop_tokens(),
         };
-        let a = f32s.generate(&prompt, &Method::Ar, &params, &mut |_| Ok(())).unwrap().tokens;
-        let b = q8s.generate(&prompt, &Method::Ar, &params, &mut |_| Ok(())).unwrap().tokens;
+        let a = f32s
+            .generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))
+            .unwrap()
+            .tokens;
+        let b = q8s
+            .generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))
+            .unwrap()
+            .tokens;
         let mut ids = prompt.clone();
         ids.extend_from_slice(&a[..a.len().saturating_sub(1)]);
-        let (x, y) = (argmax_after(&f32s, &ids, prompt.len() - 1), argmax_after(&q8s, &ids, prompt.len() - 1));
+        let (x, y) = (
+            argmax_after(&f32s, &ids, prompt.len() - 1),
+            argmax_after(&q8s, &ids, prompt.len() - 1),
+        );
         assert_eq!(x, a, "teacher forcing reproduces the f32 answer");
         positions += x.len();
         agree += x.iter().zip(&y).filter(|(p, q)| p == q).count();

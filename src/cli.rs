@@ -10,6 +10,7 @@ use crate::decode::method::{
     Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, MaskInit, Masks, Method, MethodKind, PldConfig,
 };
 use crate::decode::sampling::SamplingParams;
+use crate::model::load::Activations;
 use crate::session::{DeviceKind, ModelOptions, Session};
 use crate::tokenizer::StreamDecoder;
 use anyhow::{bail, Context, Result};
@@ -54,10 +55,20 @@ pub struct ModelArgs {
     /// Weight and activation dtype (default: f32 on CPU, bf16 on GPU).
     #[arg(long, value_enum)]
     pub dtype: Option<DTypeArg>,
-    /// Dequantise GGUF Q4_0/Q4_1/Q8_0 weights at load instead of reading their blocks on the CPU (same
-    /// output, more memory and memory traffic; for comparisons).
+    /// Dequantise GGUF Q4_0/Q4_1/Q8_0 weights at load instead of reading their blocks on the CPU (the
+    /// output of `--activations f32`, more memory and memory traffic; for comparisons).
     #[arg(long)]
     pub dequantize: bool,
+    /// Activations for GGUF quantised weights on the CPU: q8 (8-bit, integer dot products, fast; Q4_0,
+    /// Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) or f32 (the dequantised model's exact numbers).
+    #[arg(long, value_enum, default_value_t = ActivationsArg::Q8)]
+    pub activations: ActivationsArg,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ActivationsArg {
+    Q8,
+    F32,
 }
 
 impl ModelArgs {
@@ -75,6 +86,10 @@ impl ModelArgs {
                 DTypeArg::Bf16 => DType::BF16,
             }),
             dequantize: self.dequantize,
+            activations: match self.activations {
+                ActivationsArg::Q8 => Activations::Q8,
+                ActivationsArg::F32 => Activations::F32,
+            },
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use crate::decode::generate::{generate, GenerateParams, Generation};
 use crate::decode::method::Method;
-use crate::model::load::{load_model, LoadOptions, ModelSource};
+use crate::model::load::{load_model, Activations, LoadOptions, ModelSource};
 use crate::model::Transformer;
 use crate::tokenizer::{Message, TextTokenizer};
 use anyhow::{bail, Result};
@@ -57,6 +57,8 @@ pub struct ModelOptions {
     pub dtype: Option<DType>,
     /// Run GGUF block-quantised weights dense instead of in their blocks.
     pub dequantize: bool,
+    /// Activations for GGUF quantised weights on the CPU: 8-bit (default) or f32.
+    pub activations: Activations,
 }
 
 impl ModelOptions {
@@ -89,6 +91,7 @@ impl Session {
                 device,
                 dtype,
                 dequantize: opts.dequantize,
+                activations: opts.activations,
             },
         )?;
         Ok(Session {

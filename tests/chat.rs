@@ -24,6 +24,7 @@ fn turns_reuse_the_cache_and_match_one_shot_generation() {
             device: common::test_device(),
             dtype: candle_core::DType::F32,
             dequantize: false,
+            activations: Default::default(),
         };
         let loaded = load_model(&ModelSource::HfDir(dir.path().to_path_buf()), &opts).unwrap();
         let (model, tok) = (&loaded.model, &loaded.tokenizer);

@@ -34,6 +34,7 @@ fn attempt(source: &ModelSource) -> Outcome {
             device: candle_core::Device::Cpu,
             dtype: candle_core::DType::F32,
             dequantize: false,
+            activations: Default::default(),
         };
         let m = load_model(source, &opts)?;
         let mut prompt = m.tokenizer.encode("w5 w6 w7 w5 w6")?;

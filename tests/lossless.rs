@@ -7,8 +7,8 @@
 mod common;
 
 use common::decoding::{
-    all_configs, assert_acceptance_exercised, check_all, esp, esp_configs, greedy, hybrid, lookahead,
-    one_token_prompts, peer_configs, pld, prompts, run,
+    all_configs, assert_acceptance_exercised, check_all, esp, esp_auto, esp_configs, greedy, hybrid,
+    lookahead, one_token_prompts, peer_configs, pld, prompts, run,
 };
 use common::TinySpec;
 use probespec::decode::generate::{FinishReason, GenerateParams};
@@ -186,68 +186,102 @@ fn same_seed_gives_identical_output_under_sampling_every_method() {
     }
 }
 
-/// A GGUF in llama.cpp's block formats (Q8_0 embeddings, Q4_0 attention, Q4_1 MLP) runs through the CPU
-/// block kernel. Its logits are bit-identical to those of the same weights dequantised and stored as
-/// f32 and to those of the file loaded with `dequantize` (both run by the dense kernel), and ESP on it
-/// is lossless.
-#[test]
-fn block_quantized_gguf_equals_its_dequantized_weights_and_is_lossless() {
+/// Block formats of the tiny GGUFs: Q8_0 embeddings (and so the tied vocabulary projection), Q4_0
+/// attention, Q4_1 MLP, as in llama.cpp's mixed files.
+fn block_format(name: &str) -> candle_core::quantized::GgmlDType {
     use candle_core::quantized::GgmlDType;
+    if name.starts_with("token_embd") || name.starts_with("output.") {
+        GgmlDType::Q8_0
+    } else if name.contains("attn") {
+        GgmlDType::Q4_0
+    } else {
+        GgmlDType::Q4_1
+    }
+}
+
+fn load_gguf(
+    p: &std::path::Path,
+    dequantize: bool,
+    activations: probespec::model::load::Activations,
+) -> Transformer {
     use probespec::model::load::{load_model, LoadOptions, ModelSource};
-    use probespec::model::BlockMask;
-    let format = |name: &str| {
-        if name.starts_with("token_embd") || name.starts_with("output.") {
-            GgmlDType::Q8_0
-        } else if name.contains("attn") {
-            GgmlDType::Q4_0
-        } else {
-            GgmlDType::Q4_1
-        }
+    let opts = LoadOptions {
+        device: candle_core::Device::Cpu,
+        dtype: candle_core::DType::F32,
+        dequantize,
+        activations,
     };
-    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
-        let dir = common::tempdir();
-        let (qp, fp) = (dir.path().join("q.gguf"), dir.path().join("f32.gguf"));
-        spec.write_gguf_as(&qp, format);
-        spec.write_gguf_dequantized(&fp, format);
-        let load = |p: &std::path::Path, dequantize: bool| {
-            let opts = LoadOptions {
-                device: candle_core::Device::Cpu,
-                dtype: candle_core::DType::F32,
-                dequantize,
-            };
-            load_model(&ModelSource::Gguf(p.to_path_buf()), &opts)
-                .unwrap()
-                .model
-        };
-        let (q, f, qd) = (load(&qp, false), load(&fp, false), load(&qp, true));
-        assert!(
-            std::fs::metadata(&qp).unwrap().len() * 3 < std::fs::metadata(&fp).unwrap().len(),
-            "the quantised file should be several times smaller"
-        );
-        let prompt: Vec<u32> = (0..37).map(|i| (i * 53 + 11) % 250 + 4).collect();
-        let positions: Vec<u32> = (0..prompt.len() as u32).collect();
-        let logits = |m: &Transformer| {
-            let mut cache = m.new_cache(64).unwrap();
-            let h = m
-                .forward(
-                    &m.embed(&prompt).unwrap(),
-                    &positions,
-                    &BlockMask::Causal,
-                    &mut cache,
-                )
-                .unwrap();
-            let rows: Vec<usize> = (0..prompt.len()).collect();
+    load_model(&ModelSource::Gguf(p.to_path_buf()), &opts)
+        .unwrap()
+        .model
+}
+
+/// Logits of every row of `ids`, fed to the model in consecutive blocks of the given sizes (each block
+/// after the cache of the previous ones).
+fn logits_in_blocks(m: &Transformer, ids: &[u32], blocks: &[usize]) -> Vec<f32> {
+    use probespec::model::BlockMask;
+    let mut cache = m.new_cache(ids.len()).unwrap();
+    let (mut out, mut at) = (Vec::new(), 0);
+    for &b in blocks.iter().cycle() {
+        if at == ids.len() {
+            break;
+        }
+        let b = b.min(ids.len() - at);
+        let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
+        let h = m
+            .forward(
+                &m.embed(&ids[at..at + b]).unwrap(),
+                &positions,
+                &BlockMask::Causal,
+                &mut cache,
+            )
+            .unwrap();
+        let rows: Vec<usize> = (0..b).collect();
+        out.extend(
             m.logits(&h, &rows)
                 .unwrap()
                 .flatten_all()
                 .unwrap()
                 .to_vec1::<f32>()
-                .unwrap()
-        };
-        let (lq, lf, lqd) = (logits(&q), logits(&f), logits(&qd));
+                .unwrap(),
+        );
+        at += b;
+    }
+    out
+}
+
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// A GGUF in llama.cpp's block formats loaded with f32 activations runs through the f32 block kernel:
+/// its logits are bit-identical to those of the same weights dequantised and stored as f32 and to those
+/// of the file loaded with `dequantize` (both run by the dense kernel), and ESP on it is lossless.
+#[test]
+fn block_quantized_gguf_with_f32_activations_equals_its_dequantized_weights_and_is_lossless() {
+    use probespec::model::load::Activations;
+    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
+        let dir = common::tempdir();
+        let (qp, fp) = (dir.path().join("q.gguf"), dir.path().join("f32.gguf"));
+        spec.write_gguf_as(&qp, block_format);
+        spec.write_gguf_dequantized(&fp, block_format);
+        let q = load_gguf(&qp, false, Activations::F32);
+        let f = load_gguf(&fp, false, Activations::F32);
+        let qd = load_gguf(&qp, true, Activations::F32);
+        assert!(
+            std::fs::metadata(&qp).unwrap().len() * 3 < std::fs::metadata(&fp).unwrap().len(),
+            "the quantised file should be several times smaller"
+        );
+        let prompt: Vec<u32> = (0..37).map(|i| (i * 53 + 11) % 250 + 4).collect();
+        let all = [prompt.len()];
+        let (lq, lf, lqd) = (
+            logits_in_blocks(&q, &prompt, &all),
+            logits_in_blocks(&f, &prompt, &all),
+            logits_in_blocks(&qd, &prompt, &all),
+        );
         for (other, what) in [(&lf, "the f32 copy's"), (&lqd, "--dequantize's")] {
             assert!(
-                lq.iter().zip(other).all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&lq, other),
                 "{:?}: block-kernel logits differ from {what}",
                 spec.arch
             );
@@ -259,5 +293,96 @@ fn block_quantized_gguf_equals_its_dequantized_weights_and_is_lossless() {
             pld(3, 10),
         ];
         check_all(&q, &prompts(6, 1..40, 15), &configs, &greedy(40, vec![]));
+    }
+}
+
+/// With the default 8-bit activations: every row's logits are bit-identical whether the prompt goes
+/// through the whole model one token at a time or in blocks of 2..16 rows, they stay close to the
+/// logits of the same file dequantised at load (the 8-bit path computes the same model), and ESP, PLD
+/// and the hybrid are token-identical to plain decoding.
+fn q8_activations_are_row_invariant_and_lossless(
+    spec: TinySpec,
+    format: impl Fn(&str) -> candle_core::quantized::GgmlDType,
+    seed: u64,
+) {
+    use probespec::model::load::Activations;
+    let dir = common::tempdir();
+    let qp = dir.path().join("q.gguf");
+    spec.write_gguf_as(&qp, format);
+    let q = load_gguf(&qp, false, Activations::Q8);
+    let f = load_gguf(&qp, true, Activations::Q8);
+    let prompt: Vec<u32> = (0..37).map(|i| (i * 53 + 11) % 250 + 4).collect();
+    let alone = logits_in_blocks(&q, &prompt, &[1]);
+    for blocks in [vec![37], vec![2], vec![3, 5], vec![7], vec![16], vec![9, 16, 4]] {
+        let got = logits_in_blocks(&q, &prompt, &blocks);
+        assert!(
+            same_bits(&got, &alone),
+            "{:?}: blocks {blocks:?} change the 8-bit path's logits",
+            spec.arch
+        );
+    }
+    let lf = logits_in_blocks(&f, &prompt, &[37]);
+    assert!(
+        !same_bits(&alone, &lf),
+        "the 8-bit path should round differently from f32"
+    );
+    let scale = lf.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+    let err = alone
+        .iter()
+        .zip(&lf)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        err < 0.05 * scale,
+        "{:?}: 8-bit logits differ from f32 by {err} (max |logit| {scale})",
+        spec.arch
+    );
+    let configs = [
+        esp(10, 1, EspTree::Dynamic),
+        esp(30, 2, EspTree::Static(None)),
+        esp_auto(1),
+        hybrid(30, 1),
+        pld(3, 10),
+    ];
+    check_all(&q, &prompts(6, 1..40, seed), &configs, &greedy(40, vec![]));
+}
+
+/// The block-format GGUF with the default 8-bit activations.
+#[test]
+fn block_quantized_gguf_with_q8_activations_is_row_invariant_and_lossless() {
+    for spec in [TinySpec::llama(), TinySpec::qwen3()] {
+        q8_activations_are_row_invariant_and_lossless(spec, block_format, 16);
+    }
+}
+
+/// A GGUF in the K-quants (Q4_K attention, Q5_K / Q4_K / Q6_K MLP, Q6_K embeddings and vocabulary
+/// projection; Q8_0 for the attention output, whose width is not a multiple of 256) with the default
+/// 8-bit activations. Widened to 256 so that the K-quants' super-blocks fit.
+#[test]
+fn k_quant_gguf_with_q8_activations_is_row_invariant_and_lossless() {
+    use candle_core::quantized::GgmlDType;
+    let format = |name: &str| {
+        if name.starts_with("token_embd") || name.starts_with("output.") || name.contains("ffn_down") {
+            GgmlDType::Q6K
+        } else if name.contains("attn_output") {
+            GgmlDType::Q8_0
+        } else if name.contains("ffn_gate") {
+            GgmlDType::Q5K
+        } else {
+            GgmlDType::Q4K
+        }
+    };
+    // LLaMA's head_dim is hidden / heads.
+    let llama = TinySpec {
+        head_dim: 64,
+        ..TinySpec::llama()
+    };
+    for spec in [llama, TinySpec::qwen3()] {
+        let spec = TinySpec {
+            hidden: 256,
+            intermediate: 512,
+            ..spec
+        };
+        q8_activations_are_row_invariant_and_lossless(spec, format, 17);
     }
 }

@@ -15,6 +15,7 @@ fn cpu_f32() -> LoadOptions {
         device: Device::Cpu,
         dtype: DType::F32,
         dequantize: false,
+        activations: Default::default(),
     }
 }
 

@@ -10,14 +10,21 @@
 //! [`matmul_xwt`] (and its tensor wrapper [`linear_f32`]) computes `x · Wᵀ` with a per-element
 //! reduction order fixed independently of the number of rows, the other rows, tiling and threading,
 //! and is memory-bandwidth bound for the few rows of decoding and verification. [`attention_f32`] does the
-//! same for attention under an arbitrary tree mask.
+//! same for attention under an arbitrary tree mask. For GGUF block weights, [`linear_blocks`] keeps f32
+//! activations (the dense kernel's numbers on the dequantised weights) and [`linear_q8`] quantises the
+//! activations to 8 bits and multiplies in integers (faster; its own numbers, equally row-invariant).
+//! The SIMD variant of each is chosen at run time ([`Isa`]).
 
 pub mod attention;
+pub mod isa;
 pub mod matmul;
+pub mod q8matmul;
 pub mod qmatmul;
 
 pub use attention::{attention_f32, Visibility};
+pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
+pub use q8matmul::{linear_q8, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
 
 /// Milliseconds per call of `f`: the median of 9 timed runs, each repeating `f` at least 3 times and for at

@@ -28,6 +28,7 @@
 
 use rayon::prelude::*;
 
+use super::isa::Isa;
 use super::matmul::{process_path, Path};
 use candle_core::{DType, Device, Error, Result, Tensor};
 
@@ -129,7 +130,7 @@ impl BlockMatrix {
         self.cols / BLOCK * self.format.block_bytes()
     }
 
-    fn row(&self, j: usize) -> &[u8] {
+    pub(crate) fn row(&self, j: usize) -> &[u8] {
         let rb = self.row_bytes();
         &self.data[j * rb..(j + 1) * rb]
     }
@@ -206,15 +207,32 @@ fn dequantize_block(format: BlockFormat, blk: &[u8], out: &mut [f32]) {
 /// # Panics
 /// If a slice length does not match its shape.
 pub fn matmul_blocks(x: &[f32], w: &BlockMatrix, y: &mut [f32], m: usize) {
-    matmul_blocks_with(process_path(), x, w, y, m)
+    matmul_blocks_with(default_isa(), x, w, y, m)
+}
+
+/// The variants this kernel implements. `Portable` computes the portable dense kernel's numbers, the
+/// others the AVX2 dense kernel's (AVX-512 only runs them faster).
+pub const VARIANTS: [Isa; 3] = [Isa::Portable, Isa::Avx2, Isa::Avx512];
+
+/// The variant matching the dense kernel's path of this process (so that `--dequantize` computes the
+/// same numbers), the fastest such.
+pub fn default_isa() -> Isa {
+    match process_path() {
+        Path::Portable => Isa::Portable,
+        #[cfg(target_arch = "x86_64")]
+        Path::Avx2Fma => Isa::best_of(&[Isa::Avx512, Isa::Avx2]),
+    }
 }
 
 /// One task: output columns `j0 .. j0 + cols` for every row, written column-major into `out`
 /// (`out[c*m + r]`).
 type TaskFn = fn(x: &[f32], w: &BlockMatrix, j0: usize, cols: usize, m: usize, out: &mut [f32]);
 
-/// [`matmul_blocks`] on an explicit path (tests run both).
-pub(crate) fn matmul_blocks_with(path: Path, x: &[f32], w: &BlockMatrix, y: &mut [f32], m: usize) {
+/// [`matmul_blocks`] on an explicit variant (one of [`VARIANTS`]).
+///
+/// # Panics
+/// If a slice length does not match its shape, or the variant is not implemented or not available.
+pub fn matmul_blocks_with(isa: Isa, x: &[f32], w: &BlockMatrix, y: &mut [f32], m: usize) {
     let (n, k) = w.dims();
     assert_eq!(x.len(), m * k, "matmul_blocks: x must hold m*k = {m}*{k} values");
     assert_eq!(y.len(), m * n, "matmul_blocks: y must hold m*n = {m}*{n} values");
@@ -225,16 +243,17 @@ pub(crate) fn matmul_blocks_with(path: Path, x: &[f32], w: &BlockMatrix, y: &mut
         y.fill(0.0);
         return;
     }
-    let task: TaskFn = match path {
-        Path::Portable => portable::task,
+    assert!(
+        isa.available(),
+        "matmul_blocks: {isa:?} requested on a CPU without it"
+    );
+    let task: TaskFn = match isa {
+        Isa::Portable => portable::task,
         #[cfg(target_arch = "x86_64")]
-        Path::Avx2Fma => {
-            assert!(
-                avx2::available(),
-                "matmul_blocks: AVX2+FMA+F16C path requested on a CPU without them"
-            );
-            avx2::task
-        }
+        Isa::Avx2 => avx2::task::<false>,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx2::task::<true>,
+        _ => panic!("matmul_blocks has no {isa:?} variant"),
     };
     let parallel = m * n * k >= PAR_MIN_WORK;
     // Column ranges: a few per thread for balance, in whole tiles of 4.
@@ -334,18 +353,22 @@ mod avx2 {
         }
     }
 
-    pub(super) fn available() -> bool {
-        crate::kernels::matmul::avx2_fma_available() && is_x86_feature_detected!("f16c")
-    }
-
     /// Up to this many rows, blocks are dequantised in registers for each tile of rows; beyond, once
     /// per group of weight rows into a buffer for the dense kernel ([`super::via_dense`]). With AVX-512
     /// the in-register dequantisation is cheap enough to win up to about 32 rows (`timing` test).
     const FUSED_MAX_ROWS: usize = 4;
     const FUSED_MAX_ROWS_AVX512: usize = 32;
 
-    pub(super) fn task(x: &[f32], w: &BlockMatrix, j0: usize, cols: usize, m: usize, out: &mut [f32]) {
-        let fused_max = if avx512::enabled() {
+    /// `WIDE`: use the AVX-512 tiles (the caller checked the CPU has them).
+    pub(super) fn task<const WIDE: bool>(
+        x: &[f32],
+        w: &BlockMatrix,
+        j0: usize,
+        cols: usize,
+        m: usize,
+        out: &mut [f32],
+    ) {
+        let fused_max = if WIDE {
             FUSED_MAX_ROWS_AVX512
         } else {
             FUSED_MAX_ROWS
@@ -360,13 +383,13 @@ mod avx2 {
             return super::via_dense(x, w, j0, cols, m, out, dequantize_row, block);
         }
         assert!(x.len() == m * w.cols && out.len() >= cols * m && j0 + cols <= w.rows);
-        // SAFETY: `matmul_blocks_with` selects this path only after `available()` returned true; the
-        // assert above keeps every access of `task_impl` in bounds (see there).
+        // SAFETY: `matmul_blocks_with` selects this path only after checking the CPU has the variant's
+        // features; the assert above keeps every access of `task_impl` in bounds (see there).
         unsafe {
             match w.format {
-                BlockFormat::Q4_0 => task_impl::<Q4_0>(x, w, j0, cols, m, out),
-                BlockFormat::Q4_1 => task_impl::<Q4_1>(x, w, j0, cols, m, out),
-                BlockFormat::Q8_0 => task_impl::<Q8_0>(x, w, j0, cols, m, out),
+                BlockFormat::Q4_0 => task_impl::<Q4_0, WIDE>(x, w, j0, cols, m, out),
+                BlockFormat::Q4_1 => task_impl::<Q4_1, WIDE>(x, w, j0, cols, m, out),
+                BlockFormat::Q8_0 => task_impl::<Q8_0, WIDE>(x, w, j0, cols, m, out),
             }
         }
     }
@@ -375,7 +398,7 @@ mod avx2 {
     /// one row the dequantisation, not the FMA, is the bottleneck), 3 and 4 rows take 2, so that the
     /// `R·C` accumulators and the dequantised chunks stay within the 16 ymm registers.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn task_impl<const F: u8>(
+    unsafe fn task_impl<const F: u8, const WIDE: bool>(
         x: &[f32],
         w: &BlockMatrix,
         j0: usize,
@@ -387,7 +410,6 @@ mod avx2 {
         let rb = w.row_bytes();
         let (xp, op) = (x.as_ptr(), out.as_mut_ptr());
         let wp = w.data.as_ptr().add(j0 * rb);
-        let wide = avx512::enabled();
         for p0 in (0..m).step_by(PANEL_ROWS) {
             let pend = (p0 + PANEL_ROWS).min(m);
             // A group of up to 4 weight rows (about 1-4 KiB) stays in L1 while the panel's rows pass.
@@ -404,7 +426,7 @@ mod avx2 {
                 while r0 < pend {
                     let r = (pend - r0).min(4);
                     let (xr, o) = (xp.add(r0 * k), op.add(c0 * m + r0));
-                    match (r, wide) {
+                    match (r, WIDE) {
                         (1, true) => avx512::run::<F, 1>(&g, xr, o),
                         (2, true) => avx512::run::<F, 2>(&g, xr, o),
                         (3, true) => avx512::run::<F, 3>(&g, xr, o),
@@ -488,8 +510,8 @@ mod avx2 {
     fn dequantize_row<const F: u8>(w: &BlockMatrix, j: usize, out: &mut [f32]) {
         let (bb, row) = (w.format.block_bytes(), w.row(j));
         assert!(out.len() >= w.cols);
-        // SAFETY: selected only when `available()`; block `b` lies inside `row` and its 32 outputs
-        // inside `out` (asserted above).
+        // SAFETY: selected only for a variant the CPU has (AVX2/FMA/F16C); block `b` lies inside
+        // `row` and its 32 outputs inside `out` (asserted above).
         unsafe {
             for b in 0..w.cols / BLOCK {
                 store_block::<F>(row.as_ptr().add(b * bb), out.as_mut_ptr().add(b * BLOCK));
@@ -593,23 +615,11 @@ mod avx2 {
     pub(super) mod avx512 {
         use super::{block_bytes, hsum, tile, Group, BLOCK, Q4_0, Q4_1};
         use std::arch::x86_64::*;
-        use std::sync::atomic::{AtomicBool, Ordering};
-        use std::sync::OnceLock;
-
-        /// Tests turn the AVX-512 tiles off to check the AVX2 ones on machines that have both.
-        pub(in crate::kernels) static DISABLED: AtomicBool = AtomicBool::new(false);
-
-        pub(in crate::kernels) fn enabled() -> bool {
-            static HAS: OnceLock<bool> = OnceLock::new();
-            let has = *HAS
-                .get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl"));
-            has && !DISABLED.load(Ordering::Relaxed)
-        }
 
         /// `R` rows of `x` against the group's columns: pairs of columns 16 lanes wide, an odd last
         /// column with the AVX2 tile.
         ///
-        /// SAFETY: as [`Group::run`]; the CPU has AVX-512F/VL (`enabled()`).
+        /// SAFETY: as [`Group::run`]; the CPU has AVX-512F/VL ([`Isa::Avx512`](crate::kernels::Isa)).
         #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
         pub(super) unsafe fn run<const F: u8, const R: usize>(g: &Group, x: *const f32, out: *mut f32) {
             let pairs = g.cols / 2;
@@ -776,14 +786,20 @@ mod tests {
 
     const FORMATS: [BlockFormat; 3] = [BlockFormat::Q4_0, BlockFormat::Q4_1, BlockFormat::Q8_0];
 
-    fn paths() -> Vec<Path> {
-        #[allow(unused_mut)]
-        let mut p = vec![Path::Portable];
-        #[cfg(target_arch = "x86_64")]
-        if avx2::available() {
-            p.push(Path::Avx2Fma);
+    /// The variants this CPU has.
+    fn isas() -> Vec<Isa> {
+        VARIANTS.into_iter().filter(|i| i.available()).collect()
+    }
+
+    /// The dense kernel's path whose numbers a variant reproduces.
+    fn dense_path(isa: Isa) -> Path {
+        match isa {
+            Isa::Portable => Path::Portable,
+            #[cfg(target_arch = "x86_64")]
+            _ => Path::Avx2Fma,
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => unreachable!(),
         }
-        p
     }
 
     fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
@@ -814,9 +830,9 @@ mod tests {
         (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect()
     }
 
-    fn product(path: Path, x: &[f32], w: &BlockMatrix, m: usize) -> Vec<f32> {
+    fn product(isa: Isa, x: &[f32], w: &BlockMatrix, m: usize) -> Vec<f32> {
         let mut y = vec![f32::NAN; m * w.dims().0];
-        matmul_blocks_with(path, x, w, &mut y, m);
+        matmul_blocks_with(isa, x, w, &mut y, m);
         y
     }
 
@@ -850,38 +866,12 @@ mod tests {
         Ok(())
     }
 
-    /// The kernel equals the dense kernel on the dequantised matrix, bit for bit, on every path, for
+    /// The kernel equals the dense kernel on the dequantised matrix, bit for bit, on every variant, for
     /// shapes that exercise every tile and edge.
-    /// On x86_64, the AVX2 path's fused tiles with and without AVX-512 (where the CPU has it).
-    fn avx512_settings() -> Vec<bool> {
-        #[cfg(target_arch = "x86_64")]
-        if avx2::available() && {
-            avx2::avx512::DISABLED.store(false, std::sync::atomic::Ordering::Relaxed);
-            avx2::avx512::enabled()
-        } {
-            return vec![true, false];
-        }
-        vec![false]
-    }
-
-    fn set_avx512(on: bool) {
-        #[cfg(target_arch = "x86_64")]
-        avx2::avx512::DISABLED.store(!on, std::sync::atomic::Ordering::Relaxed);
-        let _ = on;
-    }
-
     #[test]
     fn equals_dense_kernel_on_dequantized_weights() {
-        for wide in avx512_settings() {
-            set_avx512(wide);
-            equals_dense_kernel(wide);
-        }
-        set_avx512(true);
-    }
-
-    fn equals_dense_kernel(wide: bool) {
         let mut rng = StdRng::seed_from_u64(8);
-        for path in paths() {
+        for isa in isas() {
             for format in FORMATS {
                 for k in [32, 64, 576] {
                     for n in [1, 3, 5, 17, 100] {
@@ -890,12 +880,12 @@ mod tests {
                         for m in (1..=9).chain([16, 33, 70]) {
                             let x = random(&mut rng, m * k);
                             let mut want = vec![0.0f32; m * n];
-                            matmul_with(path, &x, &wf, &mut want, m, k, n);
+                            matmul_with(dense_path(isa), &x, &wf, &mut want, m, k, n);
                             for threads in [1, 2] {
-                                let got = with_threads(threads, || product(path, &x, &w, m));
+                                let got = with_threads(threads, || product(isa, &x, &w, m));
                                 assert!(
                                     same_bits(&got, &want),
-                                    "{path:?} avx512={wide} {format:?} m={m} k={k} n={n} threads={threads}"
+                                    "{isa:?} {format:?} m={m} k={k} n={n} threads={threads}"
                                 );
                             }
                         }
@@ -910,16 +900,16 @@ mod tests {
     fn rows_are_invariant() {
         let mut rng = StdRng::seed_from_u64(9);
         let (k, n) = (576, 200);
-        for path in paths() {
+        for isa in isas() {
             for format in FORMATS {
                 let w = random_blocks(&mut rng, format, n, k);
                 let x = random(&mut rng, 40 * k);
-                let y = with_threads(2, || product(path, &x, &w, 40));
+                let y = with_threads(2, || product(isa, &x, &w, 40));
                 for i in 0..40 {
-                    let single = with_threads(1, || product(path, &x[i * k..(i + 1) * k], &w, 1));
+                    let single = with_threads(1, || product(isa, &x[i * k..(i + 1) * k], &w, 1));
                     assert!(
                         same_bits(&y[i * n..(i + 1) * n], &single),
-                        "{path:?} {format:?} row {i}"
+                        "{isa:?} {format:?} row {i}"
                     );
                 }
             }

@@ -4,12 +4,16 @@ use anyhow::Result;
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Module, Tensor};
 
-use crate::kernels::BlockMatrix;
+use crate::kernels::{BlockMatrix, PackedMatrix};
 
 pub enum Weight {
     Dense(Tensor),
-    /// GGUF Q4_0 / Q4_1 / Q8_0 blocks on the CPU, multiplied by the row-invariant block kernel.
+    /// GGUF Q4_0 / Q4_1 / Q8_0 blocks on the CPU, multiplied with f32 activations by the row-invariant
+    /// block kernel.
     Blocks(BlockMatrix),
+    /// GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights on the CPU, repacked for the row-invariant
+    /// kernel with 8-bit activations.
+    Packed(PackedMatrix),
     /// Other quantised formats, or any on a GPU: candle's quantised matmul.
     Quantized(QMatMul),
 }
@@ -48,6 +52,10 @@ impl Linear {
             Weight::Blocks(b) => {
                 let dt = x.dtype();
                 crate::kernels::linear_blocks(&x.to_dtype(DType::F32)?.contiguous()?, b)?.to_dtype(dt)?
+            }
+            Weight::Packed(p) => {
+                let dt = x.dtype();
+                crate::kernels::linear_q8(&x.to_dtype(DType::F32)?.contiguous()?, p)?.to_dtype(dt)?
             }
             Weight::Quantized(q) => {
                 // Quantised kernels take f32 activations.

@@ -2,7 +2,7 @@
 //! and its tokenizer from safetensors or GGUF weights.
 
 use super::{Arch, Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
-use crate::kernels::{BlockFormat, BlockMatrix};
+use crate::kernels::{BlockFormat, BlockMatrix, PackedFormat, PackedMatrix};
 use crate::tokenizer::TextTokenizer;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
@@ -83,10 +83,26 @@ impl ModelSource {
 pub struct LoadOptions {
     pub device: Device,
     pub dtype: DType,
-    /// Dequantise GGUF weights to dense `dtype` at load even where the CPU block kernel could read them
-    /// in place: the same numbers (the block kernel is bit-identical to the dense one), 4-7x the memory
-    /// traffic per token. For comparisons.
+    /// Dequantise GGUF weights to dense `dtype` at load even where the CPU block kernels could read them
+    /// in place: the numbers of `Activations::F32` (that block kernel is bit-identical to the dense
+    /// one), 4-7x the memory traffic per token. For comparisons.
     pub dequantize: bool,
+    /// How the CPU multiplies GGUF quantised weights (ignored for dense weights and on GPUs).
+    pub activations: Activations,
+}
+
+/// The activations GGUF quantised weights are multiplied with on the CPU.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Activations {
+    /// Quantised per row to 8 bits in blocks of 32, products in integers (Q4_0, Q4_1, Q8_0, Q4_K,
+    /// Q5_K, Q6_K; other types as with `F32`): about twice as fast as f32, numbers within the
+    /// activation rounding of f32's. Row-invariant like every CPU path.
+    #[default]
+    Q8,
+    /// f32: Q4_0 / Q4_1 / Q8_0 bit-identical to the dense f32 kernel on the dequantised weights (and to
+    /// `dequantize`); other quantised types dequantised at load up to 1B parameters, else candle's
+    /// quantised matmul.
+    F32,
 }
 
 pub struct LoadedModel {
@@ -295,23 +311,31 @@ const DENSE_CPU_MAX_PARAMS: usize = 1 << 30;
 enum GgufMatrix {
     /// Dequantised once at load (float formats; small models in formats without a block kernel).
     Dense,
-    /// Kept in its blocks for the row-invariant CPU block kernel (Q4_0, Q4_1, Q8_0 on the CPU): the
-    /// same numbers as `Dense`, 4-7x fewer bytes read per token.
+    /// Kept in its blocks for the row-invariant CPU block kernel with f32 activations (Q4_0, Q4_1, Q8_0 on
+    /// the CPU with `Activations::F32`): the same numbers as `Dense`, 4-7x fewer bytes read per token.
     Blocks(BlockFormat),
+    /// Repacked for the row-invariant CPU kernel with 8-bit activations (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K,
+    /// Q6_K on the CPU with `Activations::Q8`).
+    Packed(PackedFormat),
     /// candle's quantised matmul: every format on a GPU, large models in other formats on the CPU.
     /// (On the CPU it quantises activations to 8 bits, computing each row alone.)
     Candle,
 }
 
-fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, dequantize: bool) -> GgufMatrix {
+fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, opts: &LoadOptions) -> GgufMatrix {
     match t {
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => GgufMatrix::Dense,
-        _ if dequantize => GgufMatrix::Dense,
+        _ if opts.dequantize => GgufMatrix::Dense,
         _ if !device.is_cpu() => GgufMatrix::Candle,
-        _ => match BlockFormat::of_ggml(t) {
-            Some(f) => GgufMatrix::Blocks(f),
-            None if params <= DENSE_CPU_MAX_PARAMS => GgufMatrix::Dense,
-            None => GgufMatrix::Candle,
+        _ => match (
+            opts.activations,
+            BlockFormat::of_ggml(t),
+            PackedFormat::of_ggml(t),
+        ) {
+            (Activations::Q8, _, Some(f)) => GgufMatrix::Packed(f),
+            (Activations::F32, Some(f), _) => GgufMatrix::Blocks(f),
+            _ if params <= DENSE_CPU_MAX_PARAMS => GgufMatrix::Dense,
+            _ => GgufMatrix::Candle,
         },
     }
 }
@@ -372,10 +396,10 @@ fn build_from_gguf(
     let c = &config;
     let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
     // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
-    // reorder them so one RoPE convention serves every format: dense and block weights get their rows
-    // reordered, candle-quantised ones their outputs.
+    // reorder them so one RoPE convention serves every format: dense, block and packed weights get
+    // their rows reordered, candle-quantised ones their outputs.
     let linear_rows = |q: QTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
-        Ok(match gguf_matrix(q.dtype(), dev, params, opts.dequantize) {
+        Ok(match gguf_matrix(q.dtype(), dev, params, opts) {
             GgufMatrix::Dense => {
                 let w = dense(&q)?;
                 let w = match rows {
@@ -392,6 +416,11 @@ fn build_from_gguf(
                     None => b,
                 };
                 Linear::new(Weight::Blocks(b), None)
+            }
+            GgufMatrix::Packed(f) => {
+                let (n, k) = q.shape().dims2()?;
+                let p = PackedMatrix::from_gguf(f, n, k, &q.data()?, rows.as_deref())?;
+                Linear::new(Weight::Packed(p), None)
             }
             GgufMatrix::Candle => {
                 let l = Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None);

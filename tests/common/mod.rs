@@ -457,6 +457,7 @@ pub fn load_tiny(spec: &TinySpec) -> (tempfile::TempDir, probespec::model::Trans
         device: test_device(),
         dtype: candle_core::DType::F32,
         dequantize: false,
+        activations: Default::default(),
     };
     let source = probespec::model::load::ModelSource::HfDir(dir.path().to_path_buf());
     let m = probespec::model::load::load_model(&source, &opts).unwrap().model;

@@ -1,0 +1,64 @@
+//! The instruction-set variants of the block kernels, detected at run time.
+//!
+//! Release binaries are built for the baseline x86_64 target and run on CPUs from AVX2-only to
+//! AVX-512 with VNNI, so the SIMD paths are chosen by `is_x86_feature_detected!`, never by compile-time
+//! target features. Every kernel function takes the variant as an argument: tests run each variant the
+//! machine has side by side (in parallel, no global switch), and the model uses [`Isa`]'s per-kernel
+//! default.
+
+/// One implementation of a kernel's arithmetic. A kernel implements a subset of these (see its
+/// `variants` function) and panics when handed one it does not implement or the CPU lacks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Isa {
+    /// Plain Rust, every architecture.
+    Portable,
+    /// x86_64 AVX2 + FMA + F16C (256-bit registers; `maddubs` for 8-bit dot products).
+    Avx2,
+    /// [`Isa::Avx2`] plus AVX-512F/VL: the f32-activation tiles two weight rows per register.
+    Avx512,
+    /// [`Isa::Avx2`] plus AVX-VNNI: 256-bit `vpdpbusd` (Alder Lake and later client cores).
+    AvxVnni,
+    /// AVX-512F/BW/VL + AVX512-VNNI (+ AVX2/FMA/F16C): 512-bit `vpdpbusd` (Ice Lake server and later,
+    /// Zen 4 and later).
+    Avx512Vnni,
+}
+
+impl Isa {
+    /// Whether the CPU running us has every feature the variant uses.
+    pub fn available(self) -> bool {
+        match self {
+            Isa::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => {
+                Isa::Avx2.available()
+                    && is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512vl")
+            }
+            #[cfg(target_arch = "x86_64")]
+            Isa::AvxVnni => Isa::Avx2.available() && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx512.available()
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// The first of `preference` the CPU has (`Portable` if none).
+    pub(crate) fn best_of(preference: &[Isa]) -> Isa {
+        preference
+            .iter()
+            .copied()
+            .find(|i| i.available())
+            .unwrap_or(Isa::Portable)
+    }
+}

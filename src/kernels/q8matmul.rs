@@ -1,0 +1,1468 @@
+//! Row-invariant `y = x · Wᵀ` from GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights with 8-bit
+//! activations: the dot products are taken in integers.
+//!
+//! # Why
+//! With f32 activations ([`super::qmatmul`]) every weight is converted to f32 and multiplied in f32:
+//! a decoding step is bound by that conversion, not by memory, and each row of a block adds its own
+//! share of it. Quantising the activations to 8 bits (as llama.cpp does) turns a block of 32 weights
+//! times 32 activations into a few integer instructions (`vpdpbusd` with VNNI, `vpmaddubsw` on plain
+//! AVX2) and leaves one f32 step per block. The numbers differ from the f32 model's by the activation
+//! rounding (at most half a step of `amax / 127` per value), which plain and speculative decoding
+//! share: on SmolLM2 the logits move by about 0.3 (rms, logits of order 20), which flips the greedy
+//! choice only at near ties.
+//!
+//! # The per-element recipe (every variant, bit for bit)
+//! 1. Each row of `x` is quantised on its own, per block of 32 values ([`quantize_rows`], one portable
+//!    function for all variants): `amax = max |x|`, `d_x = amax / 127`, `q = round_half_even(x ·
+//!    (127 / amax))` (all zero when `amax = 0`), `Σq`, and `s_x = d_x · f32(Σq)`.
+//! 2. For output `j` and block `b`, `isum = Σ w_q · q` over the 32 pairs, exactly in i32 (`w_q`: the
+//!    nibble minus 8 for Q4_0, the nibble for Q4_1, the int8 for Q8_0, the 4-, 5- or 6-bit value of
+//!    the K-quants, minus 32 for Q6_K). `|isum| < 2^20`, so `f32(isum)` is exact. Q6_K takes two sums,
+//!    over the block's halves.
+//! 3. `acc = 0`; for each block in increasing order, `acc = fma(d_w · d_x, f32(isum), acc)`, then for
+//!    Q4_1 / Q4_K / Q5_K `acc = fma(m_w, s_x, acc)` (`m_w` the block's minimum, negative for the
+//!    K-quants); for Q6_K `acc = fma(d_lo · d_x, f32(isum_lo), acc)`, then `acc = fma(d_hi · d_x,
+//!    f32(isum_hi), acc)`. Products rounded to f32 and fused multiply-adds (single rounding: `vfmadd`
+//!    on x86, `f32::mul_add` in the portable path), nothing else. The K-quants' heads `d_w = d·sc`,
+//!    `m_w = -dmin·mn` are exact in f32, resolved at load.
+//!
+//! The integer part is exact in any order and the f32 part is a fixed sequence per output, so every
+//! variant (portable, AVX2, AVX-VNNI, AVX-512 VNNI) gives the same bits, and a row's outputs do not
+//! depend on the other rows of the block, the tile it lands in, or the thread count.
+//!
+//! # Layout and speed
+//! At load the weights are repacked ([`PackedMatrix`]): 16 output rows side by side per block, so that
+//! one 512-bit register (two 256-bit ones) holds 4 consecutive weights of each of 16 outputs and
+//! `vpdpbusd` against 4 broadcast activations accumulates 16 outputs at once, with no horizontal sums.
+//! Q4_0/Q4_1/Q8_0 keep their bytes per weight (4-bit values stay packed, f16 heads); the K-quants cost
+//! more than in GGUF (f32 heads per block of 32, 5- and 6-bit values in a byte each: Q4_K 0.75, Q5_K
+//! and Q6_K 1.25 bytes per weight against 0.56, 0.69 and 0.82), still a fraction of f32's 4. Each block
+//! of weights is loaded and unpacked once per tile of up to 8 activation rows, and every row of the
+//! tile only adds integer multiply-adds and its one f32 step. Output groups are split into ranges that
+//! rayon spreads over threads; each output is computed by one thread.
+
+use rayon::prelude::*;
+
+use super::isa::Isa;
+use super::qmatmul::{BlockFormat, BlockMatrix, BLOCK};
+use candle_core::{DType, Device, Error, Result, Tensor};
+
+/// Output rows per packed group: the lanes of one 512-bit register of i32 / f32.
+pub const GROUP: usize = 16;
+
+/// Activation rows per register tile.
+const TILE_ROWS: usize = 8;
+
+/// A product runs on rayon's threads only if its weights are at least this many (a large matrix is
+/// worth a second core's bandwidth even for one row) ...
+const PAR_MIN_WEIGHTS: usize = 1 << 20;
+
+/// ... or its weight-activation products at least this many (compute-bound blocks of rows). Below both,
+/// handing the work to the pool and waking the caller again (about 10 µs from outside the pool, where
+/// the decode loop runs; the scheduler's wake-ups were a fifth of a SmolLM2 step) costs more than a
+/// second core saves: SmolLM2's 576 x 576 projections run on the calling thread up to 12 rows, its MLP
+/// matrices up to 4, its vocabulary projection never. (Results do not depend on it.)
+const PAR_MIN_WORK: usize = 1 << 22;
+
+/// The variants this kernel implements, best first.
+pub const VARIANTS: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Portable];
+
+/// The fastest variant this CPU has.
+pub fn default_isa() -> Isa {
+    Isa::best_of(&VARIANTS)
+}
+
+/// A GGUF weight format this kernel reads: the 32-value block formats, and the K-quants, whose 256-value
+/// super-blocks are taken as 8 blocks of 32 with their two-level scales resolved into f32 heads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedFormat {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    /// Per block of 32: weight = `(d·sc)·q - dmin·mn` with 6-bit `sc`, `mn` and 4-bit `q`.
+    Q4K,
+    /// As Q4_K with 5-bit `q`.
+    Q5K,
+    /// Per half-block of 16: weight = `(d·sc)·(q - 32)` with an int8 `sc` and 6-bit `q`.
+    Q6K,
+}
+
+impl PackedFormat {
+    pub const ALL: [PackedFormat; 6] = [
+        PackedFormat::Q4_0,
+        PackedFormat::Q4_1,
+        PackedFormat::Q8_0,
+        PackedFormat::Q4K,
+        PackedFormat::Q5K,
+        PackedFormat::Q6K,
+    ];
+
+    /// The format of a GGML dtype, if this kernel reads it.
+    pub fn of_ggml(t: candle_core::quantized::GgmlDType) -> Option<Self> {
+        use candle_core::quantized::GgmlDType as G;
+        Some(match t {
+            G::Q4_0 => PackedFormat::Q4_0,
+            G::Q4_1 => PackedFormat::Q4_1,
+            G::Q8_0 => PackedFormat::Q8_0,
+            G::Q4K => PackedFormat::Q4K,
+            G::Q5K => PackedFormat::Q5K,
+            G::Q6K => PackedFormat::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Values and bytes per GGUF block.
+    pub const fn gguf_block(self) -> (usize, usize) {
+        match self {
+            PackedFormat::Q4_0 => (32, 18),
+            PackedFormat::Q4_1 => (32, 20),
+            PackedFormat::Q8_0 => (32, 34),
+            PackedFormat::Q4K => (256, 144),
+            PackedFormat::Q5K => (256, 176),
+            PackedFormat::Q6K => (256, 210),
+        }
+    }
+
+    /// Const-generic tag (for monomorphised kernels).
+    #[cfg(target_arch = "x86_64")]
+    const fn tag(self) -> u8 {
+        self as u8
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    const fn from_tag(t: u8) -> Self {
+        match t {
+            0 => PackedFormat::Q4_0,
+            1 => PackedFormat::Q4_1,
+            2 => PackedFormat::Q8_0,
+            3 => PackedFormat::Q4K,
+            4 => PackedFormat::Q5K,
+            _ => PackedFormat::Q6K,
+        }
+    }
+
+    /// 4 bits stored per weight (else a byte).
+    const fn nibbles(self) -> bool {
+        matches!(self, PackedFormat::Q4_0 | PackedFormat::Q4_1 | PackedFormat::Q4K)
+    }
+
+    /// Heads stored as f32 (the K-quants' products of two scales, exact in f32 but not in f16).
+    const fn f32_heads(self) -> bool {
+        matches!(self, PackedFormat::Q4K | PackedFormat::Q5K | PackedFormat::Q6K)
+    }
+
+    /// Two heads per row and block: a scale and a minimum (Q4_1, Q4_K, Q5_K), or the scales of the
+    /// block's two halves (Q6_K).
+    const fn two_heads(self) -> bool {
+        !matches!(self, PackedFormat::Q4_0 | PackedFormat::Q8_0)
+    }
+
+    /// The second head scales the second 16 values (Q6_K) rather than being a minimum.
+    const fn split(self) -> bool {
+        matches!(self, PackedFormat::Q6K)
+    }
+}
+
+impl From<BlockFormat> for PackedFormat {
+    fn from(f: BlockFormat) -> Self {
+        match f {
+            BlockFormat::Q4_0 => PackedFormat::Q4_0,
+            BlockFormat::Q4_1 => PackedFormat::Q4_1,
+            BlockFormat::Q8_0 => PackedFormat::Q8_0,
+        }
+    }
+}
+
+/// Bytes of one head.
+const fn head_bytes(f: PackedFormat) -> usize {
+    if f.f32_heads() {
+        4
+    } else {
+        2
+    }
+}
+
+/// Bytes of heads per group-block: 16 first heads, and 16 second ones where there are two.
+const fn heads_bytes(f: PackedFormat) -> usize {
+    GROUP * head_bytes(f) * if f.two_heads() { 2 } else { 1 }
+}
+
+/// Bytes of quantised weights per group-block: 16 rows × 32 nibbles or bytes.
+const fn quant_bytes(f: PackedFormat) -> usize {
+    if f.nibbles() {
+        GROUP * BLOCK / 2
+    } else {
+        GROUP * BLOCK
+    }
+}
+
+/// Bytes per group-block.
+const fn stride(f: PackedFormat) -> usize {
+    heads_bytes(f) + quant_bytes(f)
+}
+
+/// `c` such that a weight's integer is `u - c`, where `u` is the unsigned value stored for it: Q4_0's
+/// nibble (weight + 8), Q8_0's int8 + 128, Q6_K's 6-bit value (weight + 32), the others' value itself.
+/// So `isum = Σ u·q - c·Σq`.
+const fn offset(f: PackedFormat) -> i32 {
+    match f {
+        PackedFormat::Q4_0 => 8,
+        PackedFormat::Q8_0 => 128,
+        PackedFormat::Q6K => 32,
+        _ => 0,
+    }
+}
+
+fn f16_at(b: &[u8]) -> f32 {
+    half::f16::from_le_bytes([b[0], b[1]]).to_f32()
+}
+
+/// The K-quants' 6-bit scale and minimum of sub-block `j` (0..8) from their 12 packed bytes.
+fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// Block `b` (32 values) of a GGUF row: its two heads (the second 0 where unused) and the 32 stored
+/// unsigned values `u` (see [`offset`]).
+fn source(f: PackedFormat, row: &[u8], b: usize) -> ([f32; 2], [u8; BLOCK]) {
+    let mut u = [0u8; BLOCK];
+    let (bv, bb) = f.gguf_block();
+    let blk = &row[b * BLOCK / bv * bb..][..bb];
+    // Sub-block within a K-quant super-block.
+    let s = b % (bv / BLOCK);
+    match f {
+        PackedFormat::Q4_0 | PackedFormat::Q4_1 => {
+            let qs = &blk[bb - 16..];
+            for i in 0..16 {
+                u[i] = qs[i] & 15;
+                u[16 + i] = qs[i] >> 4;
+            }
+            let m = if f == PackedFormat::Q4_1 {
+                f16_at(&blk[2..])
+            } else {
+                0.0
+            };
+            ([f16_at(blk), m], u)
+        }
+        PackedFormat::Q8_0 => {
+            for (o, &v) in u.iter_mut().zip(&blk[2..]) {
+                *o = v ^ 0x80;
+            }
+            ([f16_at(blk), 0.0], u)
+        }
+        PackedFormat::Q4K | PackedFormat::Q5K => {
+            let (d, dmin) = (f16_at(blk), f16_at(&blk[2..]));
+            let (sc, mn) = scale_min_k4(s, &blk[4..16]);
+            let qs = if f == PackedFormat::Q4K {
+                &blk[16..144]
+            } else {
+                &blk[48..176]
+            };
+            let qs = &qs[32 * (s / 2)..][..32];
+            for (l, o) in u.iter_mut().enumerate() {
+                *o = if s.is_multiple_of(2) {
+                    qs[l] & 15
+                } else {
+                    qs[l] >> 4
+                };
+                if f == PackedFormat::Q5K {
+                    *o |= ((blk[16 + l] >> s) & 1) << 4;
+                }
+            }
+            ([d * sc as f32, -(dmin * mn as f32)], u)
+        }
+        PackedFormat::Q6K => {
+            let (n, p) = (s / 4, s % 4);
+            let ql = &blk[64 * n..][..64];
+            let qh = &blk[128 + 32 * n..][..32];
+            let sc = &blk[192 + 8 * n..][..8];
+            let d = f16_at(&blk[208..]);
+            for (l, o) in u.iter_mut().enumerate() {
+                let byte = if p.is_multiple_of(2) { ql[l] } else { ql[l + 32] };
+                let lo = if p < 2 { byte & 15 } else { byte >> 4 };
+                *o = lo | (((qh[l] >> (2 * p)) & 3) << 4);
+            }
+            ([d * sc[2 * p] as i8 as f32, d * sc[2 * p + 1] as i8 as f32], u)
+        }
+    }
+}
+
+/// A `[rows, cols]` GGUF weight matrix repacked for the 8-bit-activation kernel.
+///
+/// Rows are taken 16 at a time (a *group*; the last one padded with zero rows). For group `g` and block
+/// `b` (columns `32b .. 32b + 32`), `stride` bytes at `(g · cols/32 + b) · stride`:
+/// - 16 first heads (one per row of the group; f16 as in GGUF, or f32 for the K-quants), then where the
+///   format has them 16 second heads (see [`PackedFormat`]);
+/// - the weights as 64-byte chunks, bytes `4l .. 4l + 4` of a chunk belonging to row `l` of the group:
+///   for 4-bit formats chunk `t` (0..4) holds values `4t + i` in the low nibbles and `16 + 4t + i` in
+///   the high ones; for the others chunk `t` (0..8) holds values `4t + i`, one per byte.
+#[derive(Clone, Debug)]
+pub struct PackedMatrix {
+    format: PackedFormat,
+    rows: usize,
+    cols: usize,
+    data: Vec<u8>,
+}
+
+impl PackedMatrix {
+    /// Repacks a block matrix (same values, see the type's doc).
+    pub fn pack(w: &BlockMatrix) -> Self {
+        let (rows, cols) = w.dims();
+        Self::build(w.format().into(), rows, cols, |j| w.row(j))
+    }
+
+    /// Repacks GGUF bytes of `format` (`rows` rows of `cols` values, a whole number of GGUF blocks
+    /// each); with `order`, row `i` of the result is row `order[i]` of the data.
+    pub fn from_gguf(
+        format: PackedFormat,
+        rows: usize,
+        cols: usize,
+        data: &[u8],
+        order: Option<&[u32]>,
+    ) -> Result<Self> {
+        let (bv, bb) = format.gguf_block();
+        if !cols.is_multiple_of(bv) {
+            return Err(Error::Msg(format!(
+                "{format:?} matrix needs a multiple of {bv} columns, got {cols}"
+            )));
+        }
+        let rb = cols / bv * bb;
+        if data.len() != rows * rb {
+            return Err(Error::Msg(format!(
+                "{format:?} [{rows}, {cols}] matrix needs {} bytes, got {}",
+                rows * rb,
+                data.len()
+            )));
+        }
+        if let Some(o) = order {
+            if o.len() != rows || o.iter().any(|&j| j as usize >= rows) {
+                return Err(Error::Msg(format!("row order does not fit {rows} rows")));
+            }
+        }
+        let row = |j: usize| {
+            let j = order.map_or(j, |o| o[j] as usize);
+            &data[j * rb..(j + 1) * rb]
+        };
+        Ok(Self::build(format, rows, cols, row))
+    }
+
+    fn build<'a>(format: PackedFormat, rows: usize, cols: usize, row: impl Fn(usize) -> &'a [u8]) -> Self {
+        let nb = cols / BLOCK;
+        let (hb, st, hs) = (heads_bytes(format), stride(format), head_bytes(format));
+        let groups = rows.div_ceil(GROUP);
+        let mut data = vec![0u8; groups * nb * st];
+        for j in 0..rows {
+            let (g, l) = (j / GROUP, j % GROUP);
+            let src = row(j);
+            for b in 0..nb {
+                let (heads, u) = source(format, src, b);
+                let dst = &mut data[(g * nb + b) * st..][..st];
+                let nh = if format.two_heads() { 2 } else { 1 };
+                for (h, v) in heads.into_iter().enumerate().take(nh) {
+                    let at = (h * GROUP + l) * hs;
+                    if format.f32_heads() {
+                        dst[at..at + 4].copy_from_slice(&v.to_le_bytes());
+                    } else {
+                        // Exact: the value came from an f16.
+                        dst[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+                    }
+                }
+                let q = &mut dst[hb..];
+                for t in 0..quant_bytes(format) / 64 {
+                    for i in 0..4 {
+                        q[64 * t + 4 * l + i] = if format.nibbles() {
+                            u[4 * t + i] | (u[16 + 4 * t + i] << 4)
+                        } else {
+                            u[4 * t + i]
+                        };
+                    }
+                }
+            }
+        }
+        PackedMatrix {
+            format,
+            rows,
+            cols,
+            data,
+        }
+    }
+
+    /// Head `h` of row `l` of a group-block.
+    fn head(&self, blk: &[u8], h: usize, l: usize) -> f32 {
+        let hs = head_bytes(self.format);
+        let at = (h * GROUP + l) * hs;
+        if self.format.f32_heads() {
+            f32::from_le_bytes(blk[at..at + 4].try_into().unwrap())
+        } else {
+            f16_at(&blk[at..])
+        }
+    }
+
+    /// Stored value `i` (0..32) of row `l` of a group-block.
+    fn stored(&self, blk: &[u8], l: usize, i: usize) -> u8 {
+        let q = &blk[heads_bytes(self.format)..];
+        if self.format.nibbles() {
+            let byte = q[64 * (i % 16 / 4) + 4 * l + i % 4];
+            if i < 16 {
+                byte & 15
+            } else {
+                byte >> 4
+            }
+        } else {
+            q[64 * (i / 4) + 4 * l + i % 4]
+        }
+    }
+
+    /// All weights as f32, row-major `[rows, cols]`: the values the kernel multiplies (the same as
+    /// candle's and llama.cpp's dequantisation of the GGUF data).
+    pub fn dequantize(&self) -> Vec<f32> {
+        let (nb, st, f) = (self.cols / BLOCK, stride(self.format), self.format);
+        let mut out = vec![0.0f32; self.rows * self.cols];
+        for j in 0..self.rows {
+            let (g, l) = (j / GROUP, j % GROUP);
+            for b in 0..nb {
+                let blk = &self.data[(g * nb + b) * st..][..st];
+                let h0 = self.head(blk, 0, l);
+                let h1 = if f.two_heads() { self.head(blk, 1, l) } else { 0.0 };
+                for i in 0..BLOCK {
+                    let v = (self.stored(blk, l, i) as i32 - offset(f)) as f32;
+                    out[j * self.cols + b * BLOCK + i] = if f.split() {
+                        if i < 16 {
+                            h0 * v
+                        } else {
+                            h1 * v
+                        }
+                    } else if f.two_heads() {
+                        h0 * v + h1
+                    } else {
+                        h0 * v
+                    };
+                }
+            }
+        }
+        out
+    }
+
+    pub fn format(&self) -> PackedFormat {
+        self.format
+    }
+
+    /// `(rows, cols)`: rows are outputs, cols are inputs.
+    pub fn dims(&self) -> (usize, usize) {
+        (self.rows, self.cols)
+    }
+
+    fn groups(&self) -> usize {
+        self.rows.div_ceil(GROUP)
+    }
+}
+
+/// Activation rows quantised per block of 32 (step 1 of the module's recipe).
+#[derive(Clone, Debug)]
+pub struct QuantRows {
+    rows: usize,
+    cols: usize,
+    /// `[rows, cols]` int8 values.
+    q: Vec<i8>,
+    /// Per row and block: the scale `d_x`.
+    d: Vec<f32>,
+    /// Per row and block: `Σq`, and over the block's first 16 values.
+    sum: Vec<i32>,
+    sum_lo: Vec<i32>,
+    /// Per row and block: `d_x · f32(Σq)`.
+    s: Vec<f32>,
+}
+
+/// Adding 1.5·2^23 to an f32 of magnitude below 2^22 rounds it to an integer, ties to even, in the
+/// default rounding mode (the same rule as `round_ties_even`), and leaves that integer in the low bits:
+/// `bits(v + MAGIC) - bits(MAGIC)`. Pure f32 additions and integer subtractions, so the quantisation
+/// vectorises on the baseline x86_64 target (which has no rounding instruction).
+const ROUND_MAGIC: f32 = 12_582_912.0;
+
+/// Quantises each row of `x` (`[rows, cols]`, `cols` a multiple of 32) on its own, per block of 32.
+/// A block holding a NaN gets a NaN scale, so NaNs propagate to the outputs as in f32.
+///
+/// # Panics
+/// If `cols` is not a multiple of 32 or `x` is not `rows · cols` long.
+pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
+    assert!(cols.is_multiple_of(BLOCK), "quantize_rows: {cols} columns");
+    assert_eq!(
+        x.len(),
+        rows * cols,
+        "quantize_rows: x must hold rows*cols values"
+    );
+    let blocks = rows * cols / BLOCK;
+    let mut out = QuantRows {
+        rows,
+        cols,
+        q: vec![0; rows * cols],
+        d: vec![0.0; blocks],
+        sum: vec![0; blocks],
+        sum_lo: vec![0; blocks],
+        s: vec![0.0; blocks],
+    };
+    let magic = ROUND_MAGIC.to_bits() as i32;
+    for (i, (xs, qs)) in x
+        .chunks_exact(BLOCK)
+        .zip(out.q.chunks_exact_mut(BLOCK))
+        .enumerate()
+    {
+        let xs: &[f32; BLOCK] = xs.try_into().unwrap();
+        // The largest magnitude as bits: integer order is magnitude order for non-negative floats,
+        // and every NaN sorts above infinity.
+        let mut amax_bits = 0u32;
+        for v in xs {
+            amax_bits = amax_bits.max(v.to_bits() & 0x7fff_ffff);
+        }
+        let amax = f32::from_bits(amax_bits);
+        let (d, id) = if amax.is_nan() {
+            (f32::NAN, 0.0)
+        } else if amax > 0.0 {
+            (amax / 127.0, 127.0 / amax)
+        } else {
+            (0.0, 0.0)
+        };
+        // |v · id| <= 127 plus a rounding, well inside the magic number's range.
+        let mut qi = [0i32; BLOCK];
+        for (q, v) in qi.iter_mut().zip(xs) {
+            *q = (v * id + ROUND_MAGIC).to_bits() as i32 - magic;
+        }
+        for (q, v) in qs.iter_mut().zip(qi) {
+            *q = v as i8;
+        }
+        let sum_lo: i32 = qi[..16].iter().sum();
+        let sum = sum_lo + qi[16..].iter().sum::<i32>();
+        out.d[i] = d;
+        out.sum[i] = sum;
+        out.sum_lo[i] = sum_lo;
+        out.s[i] = d * sum as f32;
+    }
+    out
+}
+
+impl QuantRows {
+    /// Row `r`, block `b` dequantised: `q · d_x` (the values the kernel multiplies, as f32).
+    pub fn dequantize_block(&self, r: usize, b: usize) -> [f32; BLOCK] {
+        let nb = self.cols / BLOCK;
+        let d = self.d[r * nb + b];
+        let q = &self.q[r * self.cols + b * BLOCK..][..BLOCK];
+        std::array::from_fn(|i| q[i] as f32 * d)
+    }
+}
+
+/// `y[i*n + j] = Σ_kk x[i*k + kk] · w[j][kk]` by the module's recipe, for `x` [m, k] row-major and `w`
+/// [n, k]; `y` ([m, n] row-major) is fully overwritten. Row-invariant.
+///
+/// # Panics
+/// If a slice length does not match its shape.
+pub fn matmul_q8(x: &[f32], w: &PackedMatrix, y: &mut [f32], m: usize) {
+    matmul_q8_with(default_isa(), x, w, y, m)
+}
+
+/// [`matmul_q8`] on an explicit variant (one of [`VARIANTS`]); all give the same bits.
+///
+/// # Panics
+/// If a slice length does not match its shape, or the variant is not implemented or not available.
+pub fn matmul_q8_with(isa: Isa, x: &[f32], w: &PackedMatrix, y: &mut [f32], m: usize) {
+    let k = w.dims().1;
+    assert_eq!(x.len(), m * k, "matmul_q8: x must hold m*k = {m}*{k} values");
+    let a = quantize_rows(x, m, k);
+    matmul_quantized_with(isa, &a, w, y)
+}
+
+/// One task: groups `g0 .. g0 + out.len() / (16 m)` for every row, written `out[(gi·m + r)·16 + l]`.
+type TaskFn = fn(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]);
+
+/// The product of already quantised rows (`y`: [a.rows, n]).
+pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut [f32]) {
+    let (n, k) = w.dims();
+    let m = a.rows;
+    assert_eq!(a.cols, k, "matmul_q8: x has {} columns, the weight {k}", a.cols);
+    assert_eq!(y.len(), m * n, "matmul_q8: y must hold m*n = {m}*{n} values");
+    assert!(
+        isa.available(),
+        "matmul_q8: {isa:?} requested on a CPU without it"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    let task: TaskFn = match isa {
+        Isa::Portable => portable::task,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::task,
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => avxvnni::task,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => avx512vnni::task,
+        _ => panic!("matmul_q8 has no {isa:?} variant"),
+    };
+    let groups = w.groups();
+    let parallel =
+        (n * k >= PAR_MIN_WEIGHTS || m * n * k >= PAR_MIN_WORK) && rayon::current_num_threads() > 1;
+    let tasks = if parallel {
+        (4 * rayon::current_num_threads()).min(groups)
+    } else {
+        1
+    };
+    let per_task = groups.div_ceil(tasks) * GROUP * m;
+    // Tasks write [group][row][16]; with one row and whole groups that is `y` itself.
+    let direct = m == 1 && n.is_multiple_of(GROUP);
+    let mut buf = if direct {
+        Vec::new()
+    } else {
+        vec![0.0f32; groups * GROUP * m]
+    };
+    let out: &mut [f32] = if direct { y } else { &mut buf };
+    let run = |(i, o): (usize, &mut [f32])| task(a, w, i * per_task / (GROUP * m), o);
+    if parallel {
+        out.par_chunks_mut(per_task).enumerate().for_each(run);
+    } else {
+        out.chunks_mut(per_task).enumerate().for_each(run);
+    }
+    if !direct {
+        for (g, gb) in buf.chunks_exact(GROUP * m).enumerate() {
+            let lanes = GROUP.min(n - g * GROUP);
+            for (r, v) in gb.chunks_exact(GROUP).enumerate() {
+                y[r * n + g * GROUP..][..lanes].copy_from_slice(&v[..lanes]);
+            }
+        }
+    }
+}
+
+/// The portable path: each group-block unpacked once into signed weights `[32][16]` (outputs innermost,
+/// so the integer loops vectorise on any target), then every row of `x` against it.
+mod portable {
+    use super::*;
+
+    pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+        let (m, k, nb) = (a.rows, a.cols, a.cols / BLOCK);
+        let (f, st) = (w.format, stride(w.format));
+        let c = offset(f) as i16;
+        let mut wq = [[0i16; GROUP]; BLOCK];
+        let (mut h0, mut h1) = ([0f32; GROUP], [0f32; GROUP]);
+        for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
+            og.fill(0.0);
+            for b in 0..nb {
+                let blk = &w.data[((g0 + gi) * nb + b) * st..][..st];
+                for l in 0..GROUP {
+                    h0[l] = w.head(blk, 0, l);
+                    if f.two_heads() {
+                        h1[l] = w.head(blk, 1, l);
+                    }
+                }
+                // Chunk bytes 4l + i belong to lane l: stride-4 reads (one `ld4` on NEON).
+                let q = &blk[heads_bytes(f)..];
+                if f.nibbles() {
+                    for t in 0..4 {
+                        let ch = &q[64 * t..64 * t + 64];
+                        for i in 0..4 {
+                            for l in 0..GROUP {
+                                let u = ch[4 * l + i] as i16;
+                                wq[4 * t + i][l] = (u & 15) - c;
+                                wq[16 + 4 * t + i][l] = (u >> 4) - c;
+                            }
+                        }
+                    }
+                } else {
+                    for t in 0..8 {
+                        let ch = &q[64 * t..64 * t + 64];
+                        for i in 0..4 {
+                            for l in 0..GROUP {
+                                wq[4 * t + i][l] = ch[4 * l + i] as i16 - c;
+                            }
+                        }
+                    }
+                }
+                for (r, acc) in og.chunks_exact_mut(GROUP).enumerate() {
+                    let xq = &a.q[r * k + b * BLOCK..][..BLOCK];
+                    let (mut lo, mut hi) = ([0i32; GROUP], [0i32; GROUP]);
+                    for (wk, &xv) in wq[..16].iter().zip(&xq[..16]) {
+                        for (s, &wv) in lo.iter_mut().zip(wk) {
+                            *s += wv as i32 * xv as i32;
+                        }
+                    }
+                    for (wk, &xv) in wq[16..].iter().zip(&xq[16..]) {
+                        for (s, &wv) in hi.iter_mut().zip(wk) {
+                            *s += wv as i32 * xv as i32;
+                        }
+                    }
+                    let ab = r * nb + b;
+                    let (dx, sx) = (a.d[ab], a.s[ab]);
+                    for l in 0..GROUP {
+                        if f.split() {
+                            acc[l] = (h0[l] * dx).mul_add(lo[l] as f32, acc[l]);
+                            acc[l] = (h1[l] * dx).mul_add(hi[l] as f32, acc[l]);
+                        } else {
+                            acc[l] = (h0[l] * dx).mul_add((lo[l] + hi[l]) as f32, acc[l]);
+                            if f.two_heads() {
+                                acc[l] = h1[l].mul_add(sx, acc[l]);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 256-bit x86 variants, one module per instruction set (the same code under different target
+/// features; only the integer dot product of a chunk differs). A group's 16 outputs are two halves of
+/// 8 lanes, run one after the other; the second re-reads the group's weights from L1.
+#[cfg(target_arch = "x86_64")]
+macro_rules! avx256_variant {
+    ($name:ident, $features:literal, $vnni:literal) => {
+        mod $name {
+            use super::*;
+            use std::arch::x86_64::*;
+
+            pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+                assert!(out.len() / (GROUP * a.rows) + g0 <= w.groups());
+                const Q4_0: u8 = PackedFormat::Q4_0.tag();
+                const Q4_1: u8 = PackedFormat::Q4_1.tag();
+                const Q8_0: u8 = PackedFormat::Q8_0.tag();
+                const Q4K: u8 = PackedFormat::Q4K.tag();
+                const Q5K: u8 = PackedFormat::Q5K.tag();
+                const Q6K: u8 = PackedFormat::Q6K.tag();
+                // SAFETY: `matmul_quantized_with` picks this variant only if the CPU has its features;
+                // `run` stays inside `w`'s groups `g0 ..` that `out` covers and `a`'s rows.
+                unsafe {
+                    match w.format {
+                        PackedFormat::Q4_0 => run::<Q4_0>(a, w, g0, out),
+                        PackedFormat::Q4_1 => run::<Q4_1>(a, w, g0, out),
+                        PackedFormat::Q8_0 => run::<Q8_0>(a, w, g0, out),
+                        PackedFormat::Q4K => run::<Q4K>(a, w, g0, out),
+                        PackedFormat::Q5K => run::<Q5K>(a, w, g0, out),
+                        PackedFormat::Q6K => run::<Q6K>(a, w, g0, out),
+                    }
+                }
+            }
+
+            #[target_feature(enable = $features)]
+            unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+                let m = a.rows;
+                for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
+                    let g = g0 + gi;
+                    for h in 0..2 {
+                        let mut r0 = 0;
+                        while r0 < m {
+                            let rows = (m - r0).min(TILE_ROWS);
+                            let o = og.as_mut_ptr().add(r0 * GROUP + 8 * h);
+                            match rows {
+                                1 => tile::<F, 1>(a, w, g, h, r0, o),
+                                2 => tile::<F, 2>(a, w, g, h, r0, o),
+                                3 => tile::<F, 3>(a, w, g, h, r0, o),
+                                4 => tile::<F, 4>(a, w, g, h, r0, o),
+                                5 => tile::<F, 5>(a, w, g, h, r0, o),
+                                6 => tile::<F, 6>(a, w, g, h, r0, o),
+                                7 => tile::<F, 7>(a, w, g, h, r0, o),
+                                _ => tile::<F, 8>(a, w, g, h, r0, o),
+                            }
+                            r0 += rows;
+                        }
+                    }
+                }
+            }
+
+            /// Eight heads (lanes `8h ..`) of head set `set` at `blk`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn heads(f: PackedFormat, blk: *const u8, set: usize, h: usize) -> __m256 {
+                if f.f32_heads() {
+                    _mm256_loadu_ps(blk.add(64 * set + 32 * h).cast())
+                } else {
+                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(32 * set + 16 * h).cast()))
+                }
+            }
+
+            /// Rows `r0 .. r0 + R` against half `h` (lanes `8h .. 8h + 8`) of group `g`; row `r`'s 8
+            /// outputs go to `out + r·16`.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn tile<const F: u8, const R: usize>(
+                a: &QuantRows,
+                w: &PackedMatrix,
+                g: usize,
+                h: usize,
+                r0: usize,
+                out: *mut f32,
+            ) {
+                let f = PackedFormat::from_tag(F);
+                let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
+                // Q8_0 without VNNI sums w·x directly (see `dot_bytes`).
+                let c = if f == PackedFormat::Q8_0 && !$vnni {
+                    0
+                } else {
+                    offset(f)
+                };
+                let mut acc = [_mm256_setzero_ps(); R];
+                let wg = w.data.as_ptr().add(g * nb * st);
+                let low = _mm256_set1_epi8(15);
+                for b in 0..nb {
+                    let blk = wg.add(b * st);
+                    let q = blk.add(hb + 32 * h);
+                    // The activation quads of row r, block b: 8 × 4 bytes.
+                    let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
+                    // Q6_K's second half goes to `isum2`; every other format uses `isum` alone.
+                    let mut isum = [_mm256_setzero_si256(); R];
+                    let mut isum2 = [_mm256_setzero_si256(); R];
+                    if f.nibbles() {
+                        for t in 0..4 {
+                            let v = _mm256_loadu_si256(q.add(64 * t).cast());
+                            let lo = _mm256_and_si256(v, low);
+                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                            for (r, s) in isum.iter_mut().enumerate() {
+                                let x0 = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
+                                let x1 = _mm256_set1_epi32(xq(r).add(t + 4).read_unaligned());
+                                *s = dot_nibbles(*s, lo, x0, hi, x1);
+                            }
+                        }
+                    } else {
+                        for t in 0..8 {
+                            let u = _mm256_loadu_si256(q.add(64 * t).cast());
+                            let sums = if f.split() && t >= 4 {
+                                &mut isum2
+                            } else {
+                                &mut isum
+                            };
+                            for (r, s) in sums.iter_mut().enumerate() {
+                                let xv = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
+                                *s = dot_bytes(*s, u, xv, f == PackedFormat::Q8_0);
+                            }
+                        }
+                    }
+                    let h0 = heads(f, blk, 0, h);
+                    let h1 = if f.two_heads() {
+                        heads(f, blk, 1, h)
+                    } else {
+                        _mm256_setzero_ps()
+                    };
+                    for (r, acc_r) in acc.iter_mut().enumerate() {
+                        let ab = (r0 + r) * nb + b;
+                        let dx = _mm256_set1_ps(*a.d.get_unchecked(ab));
+                        let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
+                        if f.split() {
+                            let s0 = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(c * sum_lo));
+                            let s1 = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(c * (sum - sum_lo)));
+                            *acc_r = _mm256_fmadd_ps(_mm256_mul_ps(h0, dx), _mm256_cvtepi32_ps(s0), *acc_r);
+                            *acc_r = _mm256_fmadd_ps(_mm256_mul_ps(h1, dx), _mm256_cvtepi32_ps(s1), *acc_r);
+                        } else {
+                            let s = finish(isum[r], f);
+                            let s = _mm256_sub_epi32(s, _mm256_set1_epi32(c * sum));
+                            *acc_r = _mm256_fmadd_ps(_mm256_mul_ps(h0, dx), _mm256_cvtepi32_ps(s), *acc_r);
+                            if f.two_heads() {
+                                let sx = _mm256_set1_ps(*a.s.get_unchecked(ab));
+                                *acc_r = _mm256_fmadd_ps(h1, sx, *acc_r);
+                            }
+                        }
+                    }
+                }
+                for (r, acc_r) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(r * GROUP), *acc_r);
+                }
+            }
+
+            /// `s + Σ u·x` per 32-bit lane over its 4 byte pairs, `x` within ±127. With VNNI that is
+            /// `vpdpbusd`. Without, `maddubs` adds pairs in 16 bits: fine for the K-quants' values (up
+            /// to 63: pairs within ±16002), but Q8_0's `u = w + 128` would saturate, so for it
+            /// (`signed`) it takes `|w| · (x · sign w)` (pairs within ±32512) and sums `w·x` directly
+            /// (the caller then subtracts nothing).
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn dot_bytes(s: __m256i, u: __m256i, x: __m256i, signed: bool) -> __m256i {
+                if $vnni {
+                    _mm256_dpbusd_avx_epi32(s, u, x)
+                } else {
+                    let p = if signed {
+                        let wv = _mm256_xor_si256(u, _mm256_set1_epi8(-128));
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(wv), _mm256_sign_epi8(x, wv))
+                    } else {
+                        _mm256_maddubs_epi16(u, x)
+                    };
+                    _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+                }
+            }
+
+            /// `s + Σ lo·x0 + Σ hi·x1` per lane (nibbles 0..15). Without VNNI the products are summed
+            /// in 16-bit lanes across the block (at most 16 products of 15·127 per lane, 30480 < 2^15)
+            /// and widened in [`finish`].
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn dot_nibbles(s: __m256i, lo: __m256i, x0: __m256i, hi: __m256i, x1: __m256i) -> __m256i {
+                if $vnni {
+                    _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(s, lo, x0), hi, x1)
+                } else {
+                    _mm256_add_epi16(
+                        s,
+                        _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1)),
+                    )
+                }
+            }
+
+            /// The i32 lanes of a block's integer sum: as accumulated, or widened from 16-bit pairs.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn finish(s: __m256i, f: PackedFormat) -> __m256i {
+                if $vnni || !f.nibbles() {
+                    s
+                } else {
+                    _mm256_madd_epi16(s, _mm256_set1_epi16(1))
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+avx256_variant!(avx2, "avx2,fma,f16c", false);
+#[cfg(target_arch = "x86_64")]
+avx256_variant!(avxvnni, "avx2,fma,f16c,avxvnni", true);
+
+/// AVX-512 VNNI: a group's 16 outputs in one register.
+#[cfg(target_arch = "x86_64")]
+mod avx512vnni {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+        assert!(out.len() / (GROUP * a.rows) + g0 <= w.groups());
+        const Q4_0: u8 = PackedFormat::Q4_0.tag();
+        const Q4_1: u8 = PackedFormat::Q4_1.tag();
+        const Q8_0: u8 = PackedFormat::Q8_0.tag();
+        const Q4K: u8 = PackedFormat::Q4K.tag();
+        const Q5K: u8 = PackedFormat::Q5K.tag();
+        const Q6K: u8 = PackedFormat::Q6K.tag();
+        // SAFETY: as the 256-bit variants'.
+        unsafe {
+            match w.format {
+                PackedFormat::Q4_0 => run::<Q4_0>(a, w, g0, out),
+                PackedFormat::Q4_1 => run::<Q4_1>(a, w, g0, out),
+                PackedFormat::Q8_0 => run::<Q8_0>(a, w, g0, out),
+                PackedFormat::Q4K => run::<Q4K>(a, w, g0, out),
+                PackedFormat::Q5K => run::<Q5K>(a, w, g0, out),
+                PackedFormat::Q6K => run::<Q6K>(a, w, g0, out),
+            }
+        }
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+        let m = a.rows;
+        for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
+            let g = g0 + gi;
+            let mut r0 = 0;
+            while r0 < m {
+                let rows = (m - r0).min(TILE_ROWS);
+                let o = og.as_mut_ptr().add(r0 * GROUP);
+                match rows {
+                    1 => tile::<F, 1>(a, w, g, r0, o),
+                    2 => tile::<F, 2>(a, w, g, r0, o),
+                    3 => tile::<F, 3>(a, w, g, r0, o),
+                    4 => tile::<F, 4>(a, w, g, r0, o),
+                    5 => tile::<F, 5>(a, w, g, r0, o),
+                    6 => tile::<F, 6>(a, w, g, r0, o),
+                    7 => tile::<F, 7>(a, w, g, r0, o),
+                    _ => tile::<F, 8>(a, w, g, r0, o),
+                }
+                r0 += rows;
+            }
+        }
+    }
+
+    /// The 16 heads of head set `set` at `blk`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn heads(f: PackedFormat, blk: *const u8, set: usize) -> __m512 {
+        if f.f32_heads() {
+            _mm512_loadu_ps(blk.add(64 * set).cast())
+        } else {
+            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32 * set).cast()))
+        }
+    }
+
+    /// Rows `r0 .. r0 + R` against group `g`; row `r`'s 16 outputs go to `out + r·16`.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn tile<const F: u8, const R: usize>(
+        a: &QuantRows,
+        w: &PackedMatrix,
+        g: usize,
+        r0: usize,
+        out: *mut f32,
+    ) {
+        let f = PackedFormat::from_tag(F);
+        let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
+        let c = offset(f);
+        let mut acc = [_mm512_setzero_ps(); R];
+        let wg = w.data.as_ptr().add(g * nb * st);
+        let low = _mm512_set1_epi8(15);
+        for b in 0..nb {
+            let blk = wg.add(b * st);
+            let q = blk.add(hb);
+            let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
+            // Each sum starts at `-c·Σq` over its values; Q6_K's second half goes to `isum2`.
+            let mut isum = [_mm512_setzero_si512(); R];
+            let mut isum2 = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                let ab = (r0 + r) * nb + b;
+                let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
+                if f.split() {
+                    isum[r] = _mm512_set1_epi32(-c * sum_lo);
+                    isum2[r] = _mm512_set1_epi32(-c * (sum - sum_lo));
+                } else {
+                    isum[r] = _mm512_set1_epi32(-c * sum);
+                }
+            }
+            if f.nibbles() {
+                for t in 0..4 {
+                    let v = _mm512_loadu_si512(q.add(64 * t).cast());
+                    let lo = _mm512_and_si512(v, low);
+                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+                    for (r, s) in isum.iter_mut().enumerate() {
+                        let x0 = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
+                        let x1 = _mm512_set1_epi32(xq(r).add(t + 4).read_unaligned());
+                        *s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*s, lo, x0), hi, x1);
+                    }
+                }
+            } else {
+                for t in 0..8 {
+                    let u = _mm512_loadu_si512(q.add(64 * t).cast());
+                    let sums = if f.split() && t >= 4 {
+                        &mut isum2
+                    } else {
+                        &mut isum
+                    };
+                    for (r, s) in sums.iter_mut().enumerate() {
+                        *s = _mm512_dpbusd_epi32(*s, u, _mm512_set1_epi32(xq(r).add(t).read_unaligned()));
+                    }
+                }
+            }
+            let h0 = heads(f, blk, 0);
+            let h1 = if f.two_heads() {
+                heads(f, blk, 1)
+            } else {
+                _mm512_setzero_ps()
+            };
+            for (r, acc_r) in acc.iter_mut().enumerate() {
+                let ab = (r0 + r) * nb + b;
+                let dx = _mm512_set1_ps(*a.d.get_unchecked(ab));
+                *acc_r = _mm512_fmadd_ps(_mm512_mul_ps(h0, dx), _mm512_cvtepi32_ps(isum[r]), *acc_r);
+                if f.split() {
+                    *acc_r = _mm512_fmadd_ps(_mm512_mul_ps(h1, dx), _mm512_cvtepi32_ps(isum2[r]), *acc_r);
+                } else if f.two_heads() {
+                    *acc_r = _mm512_fmadd_ps(h1, _mm512_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
+                }
+            }
+        }
+        for (r, acc_r) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(r * GROUP), *acc_r);
+        }
+    }
+}
+
+/// `x · Wᵀ` for a candle tensor `x` ([m, k], f32, CPU) and a packed matrix `w` ([n, k]): a new [m, n].
+///
+/// # Errors
+/// If `x` is not f32, not on the CPU, not 2-D, or its width is not `w`'s.
+pub fn linear_q8(x: &Tensor, w: &PackedMatrix) -> Result<Tensor> {
+    if x.dtype() != DType::F32 {
+        return Err(Error::UnexpectedDType {
+            msg: "linear_q8 takes f32 activations",
+            expected: DType::F32,
+            got: x.dtype(),
+        }
+        .bt());
+    }
+    if !x.device().is_cpu() {
+        return Err(Error::Msg("linear_q8 takes CPU tensors".into()).bt());
+    }
+    let (m, k) = x.dims2()?;
+    let (n, kw) = w.dims();
+    if k != kw {
+        return Err(Error::Msg(format!("linear_q8: x has {k} columns, the weight {kw}")).bt());
+    }
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let mut y = vec![0.0f32; m * n];
+    matmul_q8(&xs, w, &mut y, m);
+    Tensor::from_vec(y, (m, n), &Device::Cpu)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    const FORMATS: [PackedFormat; 6] = PackedFormat::ALL;
+
+    /// Matrix widths to test a format at: cut into blocks of 32, or super-blocks of 256.
+    fn widths(format: PackedFormat) -> [usize; 3] {
+        match format.gguf_block().0 {
+            32 => [32, 96, 576],
+            _ => [256, 512, 768],
+        }
+    }
+
+    /// Random GGUF bytes of a format: every quant bit pattern, and finite f16 scales of either sign
+    /// (`d`, `m` / `dmin`) in place of the random bytes there.
+    fn random_gguf(rng: &mut StdRng, format: PackedFormat, rows: usize, cols: usize) -> Vec<u8> {
+        let (bv, bb) = format.gguf_block();
+        let mut data = vec![0u8; rows * cols / bv * bb];
+        rng.fill(&mut data[..]);
+        let heads: &[usize] = match format {
+            PackedFormat::Q4_0 | PackedFormat::Q8_0 => &[0],
+            PackedFormat::Q6K => &[208],
+            _ => &[0, 2],
+        };
+        for blk in data.chunks_exact_mut(bb) {
+            for &at in heads {
+                let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        data
+    }
+
+    fn random_packed(rng: &mut StdRng, format: PackedFormat, rows: usize, cols: usize) -> PackedMatrix {
+        let data = random_gguf(rng, format, rows, cols);
+        PackedMatrix::from_gguf(format, rows, cols, &data, None).unwrap()
+    }
+
+    /// The variants this CPU has, the portable one first.
+    fn isas() -> Vec<Isa> {
+        let mut v: Vec<Isa> = VARIANTS.into_iter().filter(|i| i.available()).collect();
+        v.reverse();
+        v
+    }
+
+    fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(f)
+    }
+
+    /// Random blocks: every nibble and byte value (-128 included), scales and minimums random finite
+    /// f16 values of either sign.
+    fn random_blocks(rng: &mut StdRng, format: BlockFormat, rows: usize, cols: usize) -> BlockMatrix {
+        let bb = format.block_bytes();
+        let mut data = vec![0u8; rows * cols / BLOCK * bb];
+        for blk in data.chunks_exact_mut(bb) {
+            rng.fill(&mut blk[..]);
+            let heads = if format == BlockFormat::Q4_1 { 2 } else { 1 };
+            for h in 0..heads {
+                let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
+                blk[2 * h..2 * h + 2].copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        BlockMatrix::new(format, rows, cols, data).unwrap()
+    }
+
+    /// Random activations, each block at its own magnitude (1e-3 .. 1e2), some blocks all zero.
+    fn random_x(rng: &mut StdRng, len: usize) -> Vec<f32> {
+        let mut x: Vec<f32> = (0..len).map(|_| rng.random_range(-1.0f32..1.0)).collect();
+        for blk in x.chunks_mut(BLOCK) {
+            let scale = if rng.random_range(0..10) == 0 {
+                0.0
+            } else {
+                10f32.powf(rng.random_range(-3.0..2.0))
+            };
+            blk.iter_mut().for_each(|v| *v *= scale);
+        }
+        x
+    }
+
+    fn product(isa: Isa, x: &[f32], w: &PackedMatrix, m: usize) -> Vec<f32> {
+        let mut y = vec![f32::NAN; m * w.dims().0];
+        matmul_q8_with(isa, x, w, &mut y, m);
+        y
+    }
+
+    fn same_bits(a: &[f32], b: &[f32]) -> bool {
+        a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+    }
+
+    /// Every SIMD variant gives the portable path's bits, for shapes that cut tiles and groups
+    /// everywhere (1..17 rows, partial last groups, one block). (Products this small run on the calling
+    /// thread; `rows_are_invariant` covers split ones.)
+    #[test]
+    fn variants_are_bit_identical_to_portable() {
+        let mut rng = StdRng::seed_from_u64(21);
+        let isas = isas();
+        assert_eq!(isas[0], Isa::Portable);
+        for format in FORMATS {
+            for k in widths(format) {
+                for n in [1, 5, 16, 17, 40, 100] {
+                    let w = random_packed(&mut rng, format, n, k);
+                    for m in (1..=17).chain([33]) {
+                        let x = random_x(&mut rng, m * k);
+                        let want = product(Isa::Portable, &x, &w, m);
+                        assert!(want.iter().all(|v| v.is_finite()));
+                        for &isa in &isas[1..] {
+                            let got = product(isa, &x, &w, m);
+                            assert!(same_bits(&got, &want), "{isa:?} {format:?} m={m} k={k} n={n}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Each row of a block of 2..16 (and 40) rows is bit-identical to that row alone, on every
+    /// variant; and a product split over two threads is bit-identical to one thread's (the weights are
+    /// large enough to be split).
+    #[test]
+    fn rows_are_invariant() {
+        let mut rng = StdRng::seed_from_u64(22);
+        let (k, n) = (768, 1400);
+        assert!(n * k >= PAR_MIN_WEIGHTS);
+        for isa in isas() {
+            for format in FORMATS {
+                let w = random_packed(&mut rng, format, n, k);
+                let x = random_x(&mut rng, 40 * k);
+                let alone: Vec<Vec<f32>> = (0..40)
+                    .map(|i| with_threads(2, || product(isa, &x[i * k..(i + 1) * k], &w, 1)))
+                    .collect();
+                for m in (2..=16).chain([40]) {
+                    let y = with_threads(2, || product(isa, &x[..m * k], &w, m));
+                    for (i, single) in alone.iter().enumerate().take(m) {
+                        assert!(
+                            same_bits(&y[i * n..(i + 1) * n], single),
+                            "{isa:?} {format:?} row {i} of {m}"
+                        );
+                    }
+                    let y1 = with_threads(1, || product(isa, &x[..m * k], &w, m));
+                    assert!(same_bits(&y, &y1), "{isa:?} {format:?} {m} rows: 1 vs 2 threads");
+                }
+            }
+        }
+    }
+
+    /// The kernel computes the dequantised weights times the dequantised 8-bit activations: against
+    /// that product in f64 it is off by no more than f32 rounding; and against the unquantised
+    /// activations by no more than the activation rounding (half a step per value).
+    #[test]
+    fn matches_f64_reference() {
+        let mut rng = StdRng::seed_from_u64(23);
+        let (m, k, n) = (5, 512, 37);
+        for format in FORMATS {
+            let w = random_packed(&mut rng, format, n, k);
+            let wf = w.dequantize();
+            let x = random_x(&mut rng, m * k);
+            let a = quantize_rows(&x, m, k);
+            for isa in isas() {
+                let y = product(isa, &x, &w, m);
+                for r in 0..m {
+                    for j in 0..n {
+                        let (mut exact, mut mag, mut unq, mut bound) = (0.0f64, 0.0f64, 0.0f64, 0.0f64);
+                        for b in 0..k / BLOCK {
+                            let xb = a.dequantize_block(r, b);
+                            let d = a.d[r * (k / BLOCK) + b] as f64;
+                            for i in 0..BLOCK {
+                                let (wv, kk) = (wf[j * k + b * BLOCK + i] as f64, b * BLOCK + i);
+                                exact += wv * xb[i] as f64;
+                                mag += (wv * xb[i] as f64).abs();
+                                unq += wv * x[r * k + kk] as f64;
+                                bound += wv.abs() * d * 0.5001;
+                            }
+                        }
+                        let got = y[r * n + j] as f64;
+                        assert!(
+                            (got - exact).abs() <= 1e-5 * mag + 1e-30,
+                            "{isa:?} {format:?} ({r}, {j}): {got} vs {exact} (magnitude {mag})"
+                        );
+                        assert!(
+                            (got - unq).abs() <= bound + 1e-5 * mag + 1e-30,
+                            "{isa:?} {format:?} ({r}, {j}): {got} vs unquantised {unq} (bound {bound})"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The packed weights are candle's (and so llama.cpp's) dequantisation of the GGUF bytes, value for
+    /// value, bit for bit, with rows reordered where asked; and `pack` agrees with `from_gguf`.
+    #[test]
+    fn dequantize_matches_candle() -> Result<()> {
+        use candle_core::quantized::{GgmlDType, QTensor};
+        let mut rng = StdRng::seed_from_u64(28);
+        let types = [
+            GgmlDType::Q4_0,
+            GgmlDType::Q4_1,
+            GgmlDType::Q8_0,
+            GgmlDType::Q4K,
+            GgmlDType::Q5K,
+            GgmlDType::Q6K,
+        ];
+        for (format, ggml) in FORMATS.into_iter().zip(types) {
+            assert_eq!(PackedFormat::of_ggml(ggml), Some(format));
+            let (rows, cols) = (19, 512);
+            let t = Tensor::from_vec(random_x(&mut rng, rows * cols), (rows, cols), &Device::Cpu)?;
+            let q = QTensor::quantize(&t, ggml)?;
+            let bytes = q.data()?.into_owned();
+            let theirs = q.dequantize(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+            let w = PackedMatrix::from_gguf(format, rows, cols, &bytes, None)?;
+            assert!(same_bits(&w.dequantize(), &theirs), "{format:?}");
+            let order: Vec<u32> = (0..rows as u32).rev().collect();
+            let wr = PackedMatrix::from_gguf(format, rows, cols, &bytes, Some(&order))?.dequantize();
+            for (i, &j) in order.iter().enumerate() {
+                let j = j as usize;
+                assert!(same_bits(
+                    &wr[i * cols..(i + 1) * cols],
+                    &theirs[j * cols..(j + 1) * cols]
+                ));
+            }
+            let block_format = match format {
+                PackedFormat::Q4_0 => Some(BlockFormat::Q4_0),
+                PackedFormat::Q4_1 => Some(BlockFormat::Q4_1),
+                PackedFormat::Q8_0 => Some(BlockFormat::Q8_0),
+                _ => None,
+            };
+            if let Some(bf) = block_format {
+                let bm = BlockMatrix::new(bf, rows, cols, bytes)?;
+                assert!(same_bits(&PackedMatrix::pack(&bm).dequantize(), &theirs));
+            }
+        }
+        assert!(PackedMatrix::from_gguf(PackedFormat::Q4K, 2, 288, &[0; 4 * 144], None).is_err());
+        assert!(PackedMatrix::from_gguf(PackedFormat::Q6K, 2, 256, &[0; 419], None).is_err());
+        assert!(PackedMatrix::from_gguf(PackedFormat::Q6K, 2, 256, &[0; 420], Some(&[0, 2])).is_err());
+        Ok(())
+    }
+
+    /// The pinned activation rounding: scale `amax / 127`, ties to even, zero blocks, NaN blocks.
+    #[test]
+    fn activation_quantisation_rounds_half_to_even() {
+        // amax = 127: the multiplier is exactly 1, so the halves are ties.
+        let mut x = [0.0f32; BLOCK];
+        let ties = [0.5f32, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 127.0, 3.25];
+        x[..ties.len()].copy_from_slice(&ties);
+        let a = quantize_rows(&x, 1, BLOCK);
+        assert_eq!(&a.q[..ties.len()], &[0, 2, 2, 0, -2, -2, 126, -126, 127, 3]);
+        assert_eq!(a.d[0], 1.0);
+        assert_eq!(a.sum[0], 130);
+        assert_eq!(a.sum_lo[0], 130);
+        assert_eq!(a.s[0], a.sum[0] as f32);
+        let a = quantize_rows(&[0.0; BLOCK], 1, BLOCK);
+        assert!(a.q.iter().all(|&q| q == 0) && a.d[0] == 0.0);
+        let mut x = [1.0f32; BLOCK];
+        x[3] = f32::NAN;
+        assert!(quantize_rows(&x, 1, BLOCK).d[0].is_nan());
+        // Random blocks: within ±127 and within half a step of the input.
+        let mut rng = StdRng::seed_from_u64(24);
+        let x = random_x(&mut rng, 64 * BLOCK);
+        let a = quantize_rows(&x, 2, 32 * BLOCK);
+        for (i, &v) in x.iter().enumerate() {
+            let (r, b) = (i / (32 * BLOCK), (i % (32 * BLOCK)) / BLOCK);
+            let d = a.d[r * 32 + b];
+            let q = a.q[i];
+            assert!(q != -128);
+            assert!((q as f32 * d - v).abs() <= 0.5001 * d, "{v} -> {q} × {d}");
+        }
+    }
+
+    #[test]
+    fn linear_q8_checks_its_inputs() -> Result<()> {
+        let mut rng = StdRng::seed_from_u64(25);
+        let w = PackedMatrix::pack(&random_blocks(&mut rng, BlockFormat::Q4_1, 3, 64));
+        let xv = random_x(&mut rng, 2 * 64);
+        let x = Tensor::from_vec(xv.clone(), (2, 64), &Device::Cpu)?;
+        let y = linear_q8(&x, &w)?;
+        assert_eq!(y.dims(), &[2, 3]);
+        assert!(same_bits(
+            &y.flatten_all()?.to_vec1::<f32>()?,
+            &product(default_isa(), &xv, &w, 2)
+        ));
+        assert!(linear_q8(&x.to_dtype(DType::F16)?, &w).is_err());
+        assert!(linear_q8(&x.narrow(1, 0, 32)?, &w).is_err());
+        Ok(())
+    }
+
+    /// `cargo test --release --lib q8matmul::tests::handoff -- --ignored --nocapture`: µs per call of
+    /// SmolLM2's products (weights cycled through 30 copies, as in a decoding step) on the calling
+    /// thread alone and on rayon's global pool called from outside it (as the decode loop calls).
+    #[test]
+    #[ignore]
+    fn handoff() {
+        let mut rng = StdRng::seed_from_u64(27);
+        let alone = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        println!("n, k, m: us per call on 1 thread, on the global pool from outside");
+        for (format, n, k) in [
+            (BlockFormat::Q4_1, 192, 576),
+            (BlockFormat::Q4_1, 576, 576),
+            (BlockFormat::Q4_1, 1536, 576),
+            (BlockFormat::Q4_1, 576, 1536),
+        ] {
+            let w: Vec<PackedMatrix> = (0..30)
+                .map(|_| PackedMatrix::pack(&random_blocks(&mut rng, format, n, k)))
+                .collect();
+            for m in [1, 2, 4, 8, 16] {
+                let x = random_x(&mut rng, m * k);
+                let mut y = vec![0.0f32; m * n];
+                let mut i = 0;
+                let mut time = || {
+                    1e3 * crate::kernels::median_ms(0.1, || {
+                        i = (i + 1) % w.len();
+                        matmul_q8(&x, &w[i], &mut y, m)
+                    })
+                };
+                let one = alone.install(&mut time);
+                let two = time();
+                println!("{n:5} {k:5} {m:3}: {one:8.1} {two:8.1}");
+            }
+        }
+    }
+
+    /// `cargo test --release --lib q8matmul::tests::timing -- --ignored --nocapture`: ms per call
+    /// (median of 9) of the f32-activation block kernel (default and portable variants) and of this
+    /// kernel on every variant, for
+    /// SmolLM2's shapes, weights cycled through 30 copies so that they come from memory.
+    #[test]
+    #[ignore]
+    fn timing() {
+        let mut rng = StdRng::seed_from_u64(26);
+        for (format, n, k, copies) in [
+            (BlockFormat::Q4_1, 1536, 576, 30),
+            (BlockFormat::Q4_1, 576, 1536, 30),
+            (BlockFormat::Q8_0, 49152, 576, 1),
+        ] {
+            let blocks: Vec<BlockMatrix> = (0..copies)
+                .map(|_| random_blocks(&mut rng, format, n, k))
+                .collect();
+            let packed: Vec<PackedMatrix> = blocks.iter().map(PackedMatrix::pack).collect();
+            let isas = isas();
+            println!(
+                "{format:?} n={n} k={k} x{copies}: m, ms per call: f32 activations (default, portable), q8 {isas:?}"
+            );
+            for m in [1, 2, 4, 8, 16, 32] {
+                let x = random_x(&mut rng, m * k);
+                let mut y = vec![0.0f32; m * n];
+                let mut i = 0;
+                let f = crate::kernels::median_ms(0.05, || {
+                    i = (i + 1) % copies;
+                    crate::kernels::matmul_blocks(&x, &blocks[i], &mut y, m)
+                });
+                let fp = crate::kernels::median_ms(0.05, || {
+                    i = (i + 1) % copies;
+                    crate::kernels::qmatmul::matmul_blocks_with(Isa::Portable, &x, &blocks[i], &mut y, m)
+                });
+                print!("{m:4} {f:9.4} {fp:9.4}");
+                for &isa in &isas {
+                    let t = crate::kernels::median_ms(0.05, || {
+                        i = (i + 1) % copies;
+                        matmul_q8_with(isa, &x, &packed[i], &mut y, m)
+                    });
+                    print!(" {t:9.4}");
+                }
+                println!();
+            }
+        }
+    }
+}
