@@ -10,7 +10,7 @@ build:
 	$(CARGO) build --release
 
 demo: model
-	$(CARGO) run --release --quiet -- "What is the capital of France?"
+	$(CARGO) run --release --quiet -- "What is the capital of Germany?"
 
 test: model
 	$(CARGO) test --release
