@@ -434,7 +434,7 @@ fn run_bench(b: &BenchArgs) -> Result<()> {
                 FormatArg::SpecBench => Format::SpecBench,
             };
             for path in crate::bench::export_dir(dir, format, out.as_deref())? {
-                println!("{}", path.display());
+                crate::bench::write_stdout(&format!("{}\n", path.display()))?;
             }
             Ok(())
         }
@@ -528,7 +528,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
     let session = Session::load(&a.model.options())?;
     if a.print_prompt {
         let text = session.render_prompt(&text, a.system.as_deref(), !a.no_chat_template)?;
-        print!("{text}");
+        crate::bench::write_stdout(&text)?;
         return Ok(());
     }
     let prompt = session.encode_prompt(&text, a.system.as_deref(), !a.no_chat_template)?;

@@ -540,3 +540,28 @@ fn spec_bench_export_agrees_with_the_report() {
         }
     }
 }
+
+/// A reader that stops reading (`probespec bench report DIR | head`) ends `bench report` and `bench export`
+/// quietly, with status 0, like generation does.
+#[test]
+fn closed_stdout_ends_report_and_export_quietly() {
+    let f = fixture();
+    let out = f.root.join("run");
+    f.bench(&out, &["--methods", "ar", "--warmup", "0"]).ok();
+    let dir = out.to_str().unwrap();
+    for args in [vec!["bench", "report", dir], vec!["bench", "export", dir]] {
+        let mut child = common::binary::command(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let done = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&done.stderr);
+        assert_eq!(done.status.code(), Some(0), "{args:?}: {err}");
+        assert!(
+            !err.contains("panicked") && !err.contains("error"),
+            "{args:?}: {err}"
+        );
+    }
+}

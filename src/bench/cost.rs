@@ -77,23 +77,28 @@ pub fn run(a: &CostOptions) -> Result<()> {
     let points = cost_curve(&model, &a.cache, &a.rows, a.repeats)?;
     let device = format!("{:?}", model.device.location());
     let dtype = format!("{:?}", model.dtype).to_lowercase();
+    let mut text = String::new();
     if a.json {
         let v = serde_json::json!({ "model": name, "device": device, "dtype": dtype,
                                     "repeats": a.repeats, "points": points });
-        println!("{v}");
+        text.push_str(&format!("{v}\n"));
     } else {
-        println!("{name} on {device}, {dtype}, median of {} runs", a.repeats);
-        println!(
-            "{:>7} {:>5} {:>11} {:>9} {:>12}",
+        text.push_str(&format!(
+            "{name} on {device}, {dtype}, median of {} runs\n",
+            a.repeats
+        ));
+        text.push_str(&format!(
+            "{:>7} {:>5} {:>11} {:>9} {:>12}\n",
             "cache", "rows", "median ms", "min ms", "cost/cost(1)"
-        );
+        ));
         for p in &points {
-            println!(
-                "{:>7} {:>5} {:>11.3} {:>9.3} {:>12.2}",
+            text.push_str(&format!(
+                "{:>7} {:>5} {:>11.3} {:>9.3} {:>12.2}\n",
                 p.cache, p.rows, p.median_ms, p.min_ms, p.ratio
-            );
+            ));
         }
     }
+    super::write_stdout(&text)?;
     Ok(())
 }
 

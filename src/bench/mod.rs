@@ -28,6 +28,16 @@ use records::{read_records, write_atomic, write_records, Record, RunInfo, RECORD
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+/// Writes `text` to stdout, returning the error (a closed pipe among them) instead of panicking as `print!`
+/// does, so a reader that stops reading ends the command quietly.
+pub fn write_stdout(text: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    out.write_all(text.as_bytes())?;
+    out.flush()?;
+    Ok(())
+}
+
 pub const SUMMARY_FILE: &str = "summary.json";
 pub const TABLE_FILE: &str = "table.md";
 pub const CHART_FILE: &str = "chart.svg";
@@ -78,7 +88,7 @@ pub fn report_dir(dir: &Path) -> Result<()> {
         bail!("{} has no records", dir.join(RECORDS_FILE).display());
     }
     let table = render_outputs(dir, &run, file.records)?;
-    print!("{table}");
+    write_stdout(&table)?;
     Ok(())
 }
 
@@ -145,6 +155,6 @@ pub fn merge(out: &Path, dirs: &[PathBuf]) -> Result<()> {
     write_records(&out_records, &records)?;
     run.write(out)?;
     let table = render_outputs(out, &run, records)?;
-    print!("{table}");
+    write_stdout(&table)?;
     Ok(())
 }

@@ -476,6 +476,6 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
 
     let all_records = read_records(&rec_path)?.records;
     let table = super::render_outputs(&a.out, &run, all_records)?;
-    print!("{table}");
+    super::write_stdout(&table)?;
     Ok(())
 }
