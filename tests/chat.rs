@@ -101,7 +101,7 @@ mod terminal {
     impl Session {
         fn start(args: &[&str]) -> Session {
             let (mut master_fd, mut slave_fd) = (0, 0);
-            let size = libc::winsize {
+            let mut size = libc::winsize {
                 ws_row: 40,
                 ws_col: 120,
                 ws_xpixel: 0,
@@ -113,7 +113,8 @@ mod terminal {
                     &mut slave_fd,
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
-                    &size,
+                    // `*mut` on macOS, `*const` on Linux: a `*mut` serves both.
+                    std::ptr::addr_of_mut!(size),
                 )
             };
             assert_eq!(rc, 0, "openpty failed");

@@ -50,7 +50,8 @@ use candle_core::{DType, Device, Error, Result, Tensor};
 /// Output rows per packed group: the lanes of one 512-bit register of i32 / f32.
 pub const GROUP: usize = 16;
 
-/// Activation rows per register tile.
+/// Activation rows per register tile (of the x86 variants).
+#[cfg(target_arch = "x86_64")]
 const TILE_ROWS: usize = 8;
 
 /// A product runs on rayon's threads only if its weights are at least this many (a large matrix is
