@@ -132,15 +132,7 @@ fn spec(seed: u64) -> TinySpec {
 
 /// Q8_0 embeddings, Q4_0 attention, Q4_1 MLP: the CPU block kernel's path, rows reordered for LLaMA.
 fn write_gguf(spec: &TinySpec, path: &Path) {
-    spec.write_gguf_as(path, |name| {
-        if name.starts_with("token_embd") || name.starts_with("output.") {
-            GgmlDType::Q8_0
-        } else if name.contains("attn") {
-            GgmlDType::Q4_0
-        } else {
-            GgmlDType::Q4_1
-        }
-    })
+    spec.write_gguf_as(path, common::mixed_block_format)
 }
 
 /// Where the tensor data of a GGUF starts: what comes before is the header (metadata, tensor table).

@@ -186,19 +186,6 @@ fn same_seed_gives_identical_output_under_sampling_every_method() {
     }
 }
 
-/// Block formats of the tiny GGUFs: Q8_0 embeddings (and so the tied vocabulary projection), Q4_0
-/// attention, Q4_1 MLP, as in llama.cpp's mixed files.
-fn block_format(name: &str) -> candle_core::quantized::GgmlDType {
-    use candle_core::quantized::GgmlDType;
-    if name.starts_with("token_embd") || name.starts_with("output.") {
-        GgmlDType::Q8_0
-    } else if name.contains("attn") {
-        GgmlDType::Q4_0
-    } else {
-        GgmlDType::Q4_1
-    }
-}
-
 fn load_gguf(
     p: &std::path::Path,
     dequantize: bool,
@@ -263,8 +250,8 @@ fn block_quantized_gguf_with_f32_activations_equals_its_dequantized_weights_and_
     for spec in [TinySpec::llama(), TinySpec::qwen3()] {
         let dir = common::tempdir();
         let (qp, fp) = (dir.path().join("q.gguf"), dir.path().join("f32.gguf"));
-        spec.write_gguf_as(&qp, block_format);
-        spec.write_gguf_dequantized(&fp, block_format);
+        spec.write_gguf_as(&qp, common::mixed_block_format);
+        spec.write_gguf_dequantized(&fp, common::mixed_block_format);
         let q = load_gguf(&qp, false, Activations::F32);
         let f = load_gguf(&fp, false, Activations::F32);
         let qd = load_gguf(&qp, true, Activations::F32);
@@ -351,7 +338,7 @@ fn q8_activations_are_row_invariant_and_lossless(
 #[test]
 fn block_quantized_gguf_with_q8_activations_is_row_invariant_and_lossless() {
     for spec in [TinySpec::llama(), TinySpec::qwen3()] {
-        q8_activations_are_row_invariant_and_lossless(spec, block_format, 16);
+        q8_activations_are_row_invariant_and_lossless(spec, common::mixed_block_format, 16);
     }
 }
 

@@ -20,6 +20,8 @@ pub mod isa;
 pub mod matmul;
 pub mod q8matmul;
 pub mod qmatmul;
+#[cfg(test)]
+mod test_util;
 
 pub use attention::{attention_f32, Visibility};
 pub use isa::Isa;

@@ -780,6 +780,7 @@ pub fn linear_blocks(x: &Tensor, w: &BlockMatrix) -> Result<Tensor> {
 mod tests {
     use super::*;
     use crate::kernels::matmul::matmul_with;
+    use crate::kernels::test_util::{random_blocks, with_threads};
     use candle_core::quantized::{GgmlDType, QTensor};
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -800,30 +801,6 @@ mod tests {
             #[cfg(not(target_arch = "x86_64"))]
             _ => unreachable!(),
         }
-    }
-
-    fn with_threads<T: Send>(threads: usize, f: impl FnOnce() -> T + Send) -> T {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .unwrap()
-            .install(f)
-    }
-
-    /// Random blocks: arbitrary quant bytes (every nibble and byte value, -128 included) and scales
-    /// and minimums that are random finite f16 values of either sign.
-    fn random_blocks(rng: &mut StdRng, format: BlockFormat, rows: usize, cols: usize) -> BlockMatrix {
-        let bb = format.block_bytes();
-        let mut data = vec![0u8; rows * cols / BLOCK * bb];
-        for blk in data.chunks_exact_mut(bb) {
-            rng.fill(&mut blk[..]);
-            let heads = if format == BlockFormat::Q4_1 { 2 } else { 1 };
-            for h in 0..heads {
-                let v = half::f16::from_f32(rng.random_range(-0.05f32..0.05));
-                blk[2 * h..2 * h + 2].copy_from_slice(&v.to_le_bytes());
-            }
-        }
-        BlockMatrix::new(format, rows, cols, data).unwrap()
     }
 
     fn random(rng: &mut StdRng, len: usize) -> Vec<f32> {

@@ -422,6 +422,20 @@ impl TinySpec {
     }
 }
 
+/// Block formats of a llama.cpp-style mixed GGUF: Q8_0 embeddings (and so the tied vocabulary
+/// projection), Q4_0 attention, Q4_1 MLP.
+#[allow(dead_code)]
+pub fn mixed_block_format(name: &str) -> candle_core::quantized::GgmlDType {
+    use candle_core::quantized::GgmlDType;
+    if name.starts_with("token_embd") || name.starts_with("output.") {
+        GgmlDType::Q8_0
+    } else if name.contains("attn") {
+        GgmlDType::Q4_0
+    } else {
+        GgmlDType::Q4_1
+    }
+}
+
 /// The real SmolLM2-135M-Instruct GGUF. Panics with the fetch command when it is missing.
 pub fn smollm2_path() -> PathBuf {
     let p = probespec::model::load::default_model_path();
