@@ -10,14 +10,13 @@ use super::records::{
     complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
     Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
 };
-use crate::decode::generate::{generate, GenerateParams};
+use crate::decode::generate::GenerateParams;
 use crate::decode::method::{
     Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, MaskInit, Masks, Method, MethodKind, PldConfig,
 };
 use crate::decode::sampling::SamplingParams;
-use crate::model::Transformer;
-use crate::session::{encode_prompt, DeviceKind, ModelOptions, Session};
-use crate::tokenizer::{Message, TextTokenizer};
+use crate::session::{DeviceKind, ModelOptions, Session};
+use crate::tokenizer::Message;
 use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use std::io::IsTerminal;
@@ -132,13 +131,12 @@ pub fn configurations(a: &BenchOptions) -> Result<Vec<BenchConfig>> {
     Ok(out)
 }
 
-/// The model, tokenizer and decoding parameters shared by every conversation.
+/// The model and decoding parameters shared by every conversation (`params.sampling.seed` also seeds the
+/// drafters).
 struct Engine<'a> {
-    model: &'a Transformer,
-    tokenizer: &'a TextTokenizer,
+    session: &'a Session,
     params: GenerateParams,
     system: Option<String>,
-    seed: u64,
 }
 
 impl Engine<'_> {
@@ -150,7 +148,7 @@ impl Engine<'_> {
         c: &BenchConfig,
         on_turn: &mut dyn FnMut(Record) -> Result<()>,
     ) -> Result<()> {
-        let tok = self.tokenizer;
+        let tok = &self.session.tokenizer;
         let mut messages: Vec<Message> = self
             .system
             .iter()
@@ -158,17 +156,12 @@ impl Engine<'_> {
             .collect();
         for (t, text) in q.turns.iter().enumerate() {
             messages.push(Message::new("user", text.clone()));
-            let prompt = if t == 0 {
-                encode_prompt(tok, text, self.system.as_deref(), true)?
-            } else {
-                tok.encode(&tok.apply_chat_template(&messages, true)?)?
-            };
-            let mut drafter = c.method.drafter(self.seed)?;
+            let prompt = tok.encode(&tok.apply_chat_template(&messages, true)?)?;
             let t0 = Instant::now();
-            let g = generate(self.model, &prompt, drafter.as_mut(), &self.params, &mut |_| {
-                Ok(())
-            })
-            .with_context(|| format!("question {} turn {} ({})", q.question_id, t + 1, c.name))?;
+            let g = self
+                .session
+                .generate(&prompt, &c.method, &self.params, &mut |_| Ok(()))
+                .with_context(|| format!("question {} turn {} ({})", q.question_id, t + 1, c.name))?;
             let wall_seconds = t0.elapsed().as_secs_f64();
             // The answer as the next turn sees it: text without special tokens, trimmed (Spec-Bench
             // strips stop strings and whitespace the same way).
@@ -388,8 +381,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
     run.write(&a.out)?;
 
     let engine = Engine {
-        model: &loaded.model,
-        tokenizer: &loaded.tokenizer,
+        session: &loaded,
         params: GenerateParams {
             max_new_tokens: a.max_new_tokens,
             sampling: SamplingParams {
@@ -401,7 +393,6 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
             stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
         },
         system: a.system.clone(),
-        seed: a.seed,
     };
 
     let tty = std::io::stderr().is_terminal();

@@ -365,11 +365,11 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
             );
         }
     }
-    check_gguf_shapes(&ct).with_context(|| format!("{} is not a usable model", path.display()))?;
+    let config = gguf_config(&ct).with_context(|| format!("{} is not a usable model", path.display()))?;
     let tokenizer =
         TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
-    let model =
-        build_from_gguf(&ct, &mut file, opts).with_context(|| format!("loading {}", path.display()))?;
+    let model = build_from_gguf(&ct, config, &mut file, opts)
+        .with_context(|| format!("loading {}", path.display()))?;
     check_vocab(&model, &tokenizer)?;
     Ok(LoadedModel {
         model,
@@ -380,6 +380,7 @@ fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> {
 
 fn build_from_gguf(
     ct: &gguf_file::Content,
+    config: ModelConfig,
     file: &mut std::fs::File,
     opts: &LoadOptions,
 ) -> Result<Transformer> {
@@ -390,9 +391,6 @@ fn build_from_gguf(
             .map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
     };
     let embed_q = read("token_embd.weight")?;
-    let (vocab, _) = embed_q.shape().dims2()?;
-    let tied = !ct.tensor_infos.contains_key("output.weight");
-    let config = ModelConfig::from_gguf(&ct.metadata, vocab, tied)?;
     let c = &config;
     let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
     // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
@@ -464,7 +462,7 @@ fn build_from_gguf(
         });
     }
     let final_norm = norm(read("output_norm.weight")?)?;
-    let lm_head = if tied {
+    let lm_head = if config.tie_word_embeddings {
         linear(embed_q)?
     } else {
         linear(read("output.weight")?)?
@@ -588,9 +586,9 @@ fn tensor_end(data_offset: u64, info: &gguf_file::TensorInfo) -> Option<u64> {
     data_offset.checked_add(info.offset)?.checked_add(bytes)
 }
 
-/// Every tensor the model reads has the shape its metadata implies, checked before anything is read,
-/// reordered or reshaped.
-fn check_gguf_shapes(ct: &gguf_file::Content) -> Result<()> {
+/// The model's config from the GGUF metadata, once every tensor the model reads is checked to have the
+/// shape that config implies (before anything is read, reordered or reshaped).
+fn gguf_config(ct: &gguf_file::Content) -> Result<ModelConfig> {
     let dims = |name: &str| -> Result<&[usize]> {
         Ok(ct
             .tensor_infos
@@ -646,7 +644,7 @@ fn check_gguf_shapes(ct: &gguf_file::Content) -> Result<()> {
             bail!("tensor {name} has shape {got:?}, but the metadata implies {shape:?}");
         }
     }
-    Ok(())
+    Ok(c)
 }
 
 /// Row order that turns llama.cpp's interleaved q/k rows back into Hugging Face order:
