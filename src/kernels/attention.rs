@@ -9,7 +9,6 @@
 //! about as much attention as a whole plain step at long contexts; this kernel is vectorisable either way.
 
 use candle_core::{DType, Error, Result, Storage, Tensor};
-use rayon::prelude::*;
 
 /// Which keys a query row may see.
 #[derive(Clone, Copy)]
@@ -20,37 +19,75 @@ pub enum Visibility<'a> {
     Additive(&'a [f32]),
 }
 
-/// Sum of products with a fixed reduction order (8 lanes, then a fixed tree).
+/// Lanes of the fixed reduction: a dot product keeps 16 partial sums (lane `i` takes terms `i`, `i + 16`,
+/// ...), each a chain of fused multiply-adds, then adds them in a fixed tree. One 512-bit register, two
+/// 256-bit ones, or an array in the portable build: the same operations in the same order, so every
+/// variant gives the same bits.
+const LANES: usize = 16;
+
+/// Sum of products in the fixed order above.
 #[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let chunks = a.len() / 8;
-    for c in 0..chunks {
-        let (x, y) = (&a[c * 8..c * 8 + 8], &b[c * 8..c * 8 + 8]);
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+    let mut acc = [0.0f32; LANES];
+    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let (ta, tb) = (ca.remainder(), cb.remainder());
+    for (x, y) in ca.zip(cb) {
+        for l in 0..LANES {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
         }
     }
-    for i in chunks * 8..a.len() {
-        acc[i % 8] += a[i] * b[i];
+    for l in 0..ta.len() {
+        acc[l] = ta[l].mul_add(tb[l], acc[l]);
     }
-    ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]))
+    let v8: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[i + 8]);
+    let v4: [f32; 4] = std::array::from_fn(|i| v8[i] + v8[i + 4]);
+    (v4[0] + v4[2]) + (v4[1] + v4[3])
 }
 
-/// Whether to compile the per-row loops for 256-bit vectors. The arithmetic is the same either way (plain
-/// multiplies and adds in a fixed order, no fused multiply-add), only the vector width differs, so the
-/// choice never changes a result.
-fn wide_vectors() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        static WIDE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        *WIDE.get_or_init(|| is_x86_feature_detected!("avx2"))
+/// `o += p · v`, one fused multiply-add per element.
+#[inline(always)]
+fn axpy(o: &mut [f32], p: f32, v: &[f32]) {
+    for (oi, vi) in o.iter_mut().zip(v) {
+        *oi = p.mul_add(*vi, *oi);
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
 }
 
-/// One attention problem, split by (query row, head).
+/// The vector width the per-row loops are compiled for, chosen at run time. Only the width differs (see
+/// [`LANES`]); every width gives the same result.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Width {
+    /// AVX-512 with FMA.
+    W512,
+    /// AVX2 with FMA.
+    W256,
+    /// Whatever the compile target gives (NEON on aarch64; `mul_add` is a library call on an x86 CPU
+    /// without FMA).
+    Portable,
+}
+
+impl Width {
+    pub const ALL: [Width; 3] = [Width::W512, Width::W256, Width::Portable];
+
+    pub fn available(self) -> bool {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Width::W512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Width::W256 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            Width::Portable => true,
+            #[allow(unreachable_patterns)]
+            _ => false,
+        }
+    }
+
+    /// The widest this CPU has.
+    pub fn best() -> Width {
+        static BEST: std::sync::OnceLock<Width> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| Width::ALL.into_iter().find(|w| w.available()).unwrap())
+    }
+}
+
+/// One attention problem, split into units of (query row, key/value head).
 struct HeadRows<'a> {
     qv: &'a [f32],
     kd: &'a [f32],
@@ -66,9 +103,27 @@ struct HeadRows<'a> {
 
 impl HeadRows<'_> {
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn run_avx2(&self, i: usize, o: &mut [f32]) {
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    unsafe fn run_512(&self, i: usize, o: &mut [f32]) {
         self.run(i, o)
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_256(&self, i: usize, o: &mut [f32]) {
+        self.run(i, o)
+    }
+
+    fn run_with(&self, width: Width, i: usize, o: &mut [f32]) {
+        assert!(width.available(), "{width:?} attention on a CPU without it");
+        match width {
+            // SAFETY: checked just above.
+            #[cfg(target_arch = "x86_64")]
+            Width::W512 => unsafe { self.run_512(i, o) },
+            #[cfg(target_arch = "x86_64")]
+            Width::W256 => unsafe { self.run_256(i, o) },
+            _ => self.run(i, o),
+        }
     }
 
     /// Outputs `o` (`group · head_dim` values) of the `group` query heads that share key/value head
@@ -85,37 +140,35 @@ impl HeadRows<'_> {
         let (r, kvh) = (i / kv_heads, i % kv_heads);
         let q0 = (r * self.heads + kvh * group) * hd;
         let qs = &self.qv[q0..q0 + group * hd];
-        let visible = |j: usize| -> Option<f32> {
-            match self.vis {
-                Visibility::Causal { offset } => (j <= offset + r).then_some(0.0),
-                Visibility::Additive(m) => {
-                    let x = m[r * keys + j];
-                    (x != f32::NEG_INFINITY).then_some(x)
-                }
+        // The keys this row sees, with their additive bias, in cache order.
+        let (seen, mask): (usize, Option<&[f32]>) = match self.vis {
+            Visibility::Causal { offset } => ((offset + r + 1).min(keys), None),
+            Visibility::Additive(m) => (keys, Some(&m[r * keys..(r + 1) * keys])),
+        };
+        let bias = |j: usize| -> Option<f32> {
+            match mask {
+                None => Some(0.0),
+                Some(m) => (m[j] != f32::NEG_INFINITY).then_some(m[j]),
             }
         };
         // scores[g * keys + j]
         let mut scores = vec![f32::NEG_INFINITY; group * keys];
         let mut max = vec![f32::NEG_INFINITY; group];
-        for j in 0..keys {
-            if let Some(bias) = visible(j) {
+        for j in 0..seen {
+            if let Some(b) = bias(j) {
                 let base = j * self.row_stride + kvh * hd;
                 let kr = &self.kd[base..base + hd];
                 for g in 0..group {
-                    let s = dot(&qs[g * hd..(g + 1) * hd], kr) * self.scale + bias;
+                    let s = dot(&qs[g * hd..(g + 1) * hd], kr) * self.scale + b;
                     scores[g * keys + j] = s;
                     max[g] = max[g].max(s);
                 }
             }
         }
         let mut sum = vec![0.0f32; group];
-        for j in 0..keys {
-            if scores[j] == f32::NEG_INFINITY {
-                // Masked for the whole group (the mask is per row), or a score of -inf for head 0
-                // only: the per-head check below decides.
-                if (1..group).all(|g| scores[g * keys + j] == f32::NEG_INFINITY) {
-                    continue;
-                }
+        for j in 0..seen {
+            if bias(j).is_none() {
+                continue;
             }
             let base = j * self.row_stride + kvh * hd;
             let vr = &self.vd[base..base + hd];
@@ -126,9 +179,7 @@ impl HeadRows<'_> {
                 }
                 let p = (s - max[g]).exp();
                 sum[g] += p;
-                for (oi, vi) in o[g * hd..(g + 1) * hd].iter_mut().zip(vr) {
-                    *oi += p * vi;
-                }
+                axpy(&mut o[g * hd..(g + 1) * hd], p, vr);
             }
         }
         for g in 0..group {
@@ -149,6 +200,21 @@ fn cpu_f32(guard: &Storage, start: usize) -> Result<&[f32]> {
 /// `q`: [1, rows, heads, hd]; `k`, `v`: [1, keys, kv_heads, hd] (a prefix view of the KV cache);
 /// returns [rows, heads * hd].
 pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale: f32) -> Result<Tensor> {
+    attention_f32_with(Width::best(), q, k, v, vis, scale)
+}
+
+/// [`attention_f32`] compiled for an explicit vector width (all give the same bits).
+///
+/// # Panics
+/// If this CPU lacks `width`.
+pub fn attention_f32_with(
+    width: Width,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    vis: Visibility,
+    scale: f32,
+) -> Result<Tensor> {
     for t in [q, k, v] {
         if t.dtype() != DType::F32 {
             return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
@@ -190,16 +256,13 @@ pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale:
         group,
         row_stride,
     };
-    let wide = wide_vectors();
-    out.par_chunks_mut(group * hd).enumerate().for_each(|(i, o)| {
-        #[cfg(target_arch = "x86_64")]
-        if wide {
-            // SAFETY: `wide_vectors()` checked that this CPU has AVX2.
-            unsafe { job.run_avx2(i, o) };
-            return;
-        }
-        let _ = wide;
-        job.run(i, o);
+    let chunk = group * hd;
+    let units = rows * kv_heads;
+    let shared = super::pool::SharedMut::new(&mut out);
+    super::pool::Pool::global().run(units, &|i| {
+        // SAFETY: unit i writes its own `chunk` outputs.
+        let o = unsafe { shared.range(i * chunk, chunk) };
+        job.run_with(width, i, o);
     });
     Tensor::from_vec(out, (rows, heads * hd), q.device())
 }
@@ -258,6 +321,34 @@ mod tests {
     }
 
     #[test]
+    fn every_width_gives_the_same_bits() {
+        // Head size 72: four full chunks of 16 lanes and a remainder of 8.
+        for (rows, heads, kvh, hd, cached) in [(3, 6, 2, 72, 19), (2, 4, 4, 64, 40), (1, 2, 1, 16, 3)] {
+            let keys = cached + rows;
+            let q = rand_tensor(&[1, rows, heads, hd], 4);
+            let k = rand_tensor(&[1, keys, kvh, hd], 5);
+            let v = rand_tensor(&[1, keys, kvh, hd], 6);
+            let vis = Visibility::Causal { offset: cached };
+            let run = |w| {
+                attention_f32_with(w, &q, &k, &v, vis, 0.3)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+            };
+            let portable = run(Width::Portable);
+            for w in Width::ALL.into_iter().filter(|w| w.available()) {
+                let got = run(w);
+                assert!(
+                    got.iter().zip(&portable).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{w:?} differs from the portable path"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn matches_reference_and_is_row_invariant() {
         let (rows, heads, kvh, hd, cached) = (5, 4, 2, 16, 7);
         let keys = cached + rows;
@@ -300,5 +391,35 @@ mod tests {
         let alone = attention_f32(&q1, &k1, &v1, Visibility::Causal { offset: 9 }, scale).unwrap();
         let alone = alone.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(alone, got[4 * heads * hd..].to_vec());
+    }
+
+    /// `cargo test --release --lib attention::tests::timing -- --ignored --nocapture`: µs per call of
+    /// SmolLM2's attention (9 heads, 3 key/value heads, head size 64) after 256 cached rows, for blocks of
+    /// 1..32 rows under a tree mask (every row sees the cache and itself).
+    #[test]
+    #[ignore]
+    fn timing() {
+        let (heads, kvh, hd, cached) = (9, 3, 64, 256);
+        for rows in [1, 2, 4, 8, 16, 32] {
+            let keys = cached + rows;
+            let q = rand_tensor(&[1, rows, heads, hd], 1);
+            let k = rand_tensor(&[1, keys, kvh, hd], 2);
+            let v = rand_tensor(&[1, keys, kvh, hd], 3);
+            let mask: Vec<f32> = (0..rows)
+                .flat_map(|r| {
+                    (0..keys).map(move |j| {
+                        if j < cached || j == cached + r {
+                            0.0
+                        } else {
+                            f32::NEG_INFINITY
+                        }
+                    })
+                })
+                .collect();
+            let t = crate::kernels::median_ms(0.05, || {
+                attention_f32(&q, &k, &v, Visibility::Additive(&mask), 0.125).unwrap();
+            });
+            println!("{rows:3} rows: {:8.1} us", t * 1e3);
+        }
     }
 }

@@ -21,16 +21,13 @@
 //! reuse each loaded weight chunk for all `R` rows, so for small `m` every weight row is read from
 //! memory once and the product stays close to memory-bandwidth bound. Larger `m` is cut into panels of
 //! rows so that the rows of `x` being worked on stay in cache. Output columns are split into blocks
-//! that rayon spreads over threads; each block (hence each output element) is computed by one thread.
-//! Small products stay on the calling thread. (A call from outside rayon's pool hands the work to the
-//! pool and sleeps until it is done, about 20 µs per call on a 2-core test machine; callers inside
-//! the pool, e.g. a decode loop run under `ThreadPool::install`, do not pay that.)
+//! that the kernel pool ([`super::pool`]) spreads over threads; each block (hence each output element) is
+//! computed by one thread. Small products stay on the calling thread.
 //!
 //! Two code paths exist: AVX2+FMA intrinsics on x86_64 CPUs that have them, and portable Rust
 //! otherwise. The path is chosen once per process, so one process always gets one set of results.
 //! (The two paths round differently from each other; each is row-invariant on its own.)
 
-use rayon::prelude::*;
 use std::sync::OnceLock;
 
 use candle_core::{DType, Device, Error, Result, Tensor};
@@ -42,9 +39,9 @@ const LANES: usize = 8;
 /// that only the last block of a matrix has edge tiles.
 const COL_BLOCK: usize = 24;
 
-/// Below this many multiply-adds (`rows · n · k`) a panel is computed on the calling thread: waking
-/// rayon's workers would cost more than it saves. (Results do not depend on it.)
-const PAR_MIN_WORK: usize = 1 << 21;
+/// Below this many multiply-adds (`rows · n · k`) a panel is computed on the calling thread: handing
+/// it to the kernel pool's workers would cost more than it saves. (Results do not depend on it.)
+const PAR_MIN_WORK: usize = 1 << 17;
 
 /// Which implementation of the per-element recipe this process uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -152,9 +149,14 @@ fn run_blocks(block: BlockFn, x: &[f32], w: &[f32], out: &mut [f32], rows: usize
             .zip(w.chunks(COL_BLOCK * k))
             .for_each(work);
     } else {
-        out.par_chunks_mut(COL_BLOCK * rows)
-            .zip(w.par_chunks(COL_BLOCK * k))
-            .for_each(work);
+        let (chunk, chunks) = (COL_BLOCK * rows, out.len().div_ceil(COL_BLOCK * rows));
+        let shared = super::pool::SharedMut::new(out);
+        super::pool::Pool::global().run(chunks, &|b| {
+            // SAFETY: block b writes its own outputs.
+            let o = unsafe { shared.range(b * chunk, chunk) };
+            let cols = o.len() / rows;
+            work((o, &w[b * COL_BLOCK * k..][..cols * k]))
+        });
     }
 }
 

@@ -18,12 +18,13 @@
 pub mod attention;
 pub mod isa;
 pub mod matmul;
+pub mod pool;
 pub mod q8matmul;
 pub mod qmatmul;
 #[cfg(test)]
 mod test_util;
 
-pub use attention::{attention_f32, Visibility};
+pub use attention::{attention_f32, attention_f32_with, Visibility, Width};
 pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
 pub use q8matmul::{linear_q8, matmul_q8, PackedFormat, PackedMatrix};

@@ -39,9 +39,7 @@
 //! and Q6_K 1.25 bytes per weight against 0.56, 0.69 and 0.82), still a fraction of f32's 4. Each block
 //! of weights is loaded and unpacked once per tile of up to 8 activation rows, and every row of the
 //! tile only adds integer multiply-adds and its one f32 step. Output groups are split into ranges that
-//! rayon spreads over threads; each output is computed by one thread.
-
-use rayon::prelude::*;
+//! the kernel pool ([`super::pool`]) spreads over threads; each output is computed by one thread.
 
 use super::isa::Isa;
 use super::qmatmul::{BlockFormat, BlockMatrix, BLOCK};
@@ -54,16 +52,11 @@ pub const GROUP: usize = 16;
 #[cfg(target_arch = "x86_64")]
 const TILE_ROWS: usize = 8;
 
-/// A product runs on rayon's threads only if its weights are at least this many (a large matrix is
-/// worth a second core's bandwidth even for one row) ...
-const PAR_MIN_WEIGHTS: usize = 1 << 20;
-
-/// ... or its weight-activation products at least this many (compute-bound blocks of rows). Below both,
-/// handing the work to the pool and waking the caller again (about 10 µs from outside the pool, where
-/// the decode loop runs; the scheduler's wake-ups were a fifth of a SmolLM2 step) costs more than a
-/// second core saves: SmolLM2's 576 x 576 projections run on the calling thread up to 12 rows, its MLP
-/// matrices up to 4, its vocabulary projection never. (Results do not depend on it.)
-const PAR_MIN_WORK: usize = 1 << 22;
+/// A product is split over the kernel pool's threads ([`super::pool`]) when it has at least this many
+/// weight-activation products: a hand-off to a spinning worker costs about a microsecond, which SmolLM2's
+/// 192 x 576 products (2 µs for one row) do not repay, its 576 x 576 ones (7.5 µs) do. (Results do not
+/// depend on it.)
+const PAR_MIN_WORK: usize = 1 << 18;
 
 /// The variants this kernel implements, best first.
 pub const VARIANTS: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Portable];
@@ -605,10 +598,9 @@ pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut 
         _ => panic!("matmul_q8 has no {isa:?} variant"),
     };
     let groups = w.groups();
-    let parallel =
-        (n * k >= PAR_MIN_WEIGHTS || m * n * k >= PAR_MIN_WORK) && rayon::current_num_threads() > 1;
-    let tasks = if parallel {
-        (4 * rayon::current_num_threads()).min(groups)
+    let pool = super::pool::Pool::global();
+    let tasks = if m * n * k >= PAR_MIN_WORK {
+        (4 * pool.threads()).min(groups)
     } else {
         1
     };
@@ -621,12 +613,13 @@ pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut 
         vec![0.0f32; groups * GROUP * m]
     };
     let out: &mut [f32] = if direct { y } else { &mut buf };
-    let run = |(i, o): (usize, &mut [f32])| task(a, w, i * per_task / (GROUP * m), o);
-    if parallel {
-        out.par_chunks_mut(per_task).enumerate().for_each(run);
-    } else {
-        out.chunks_mut(per_task).enumerate().for_each(run);
-    }
+    let chunks = out.len().div_ceil(per_task);
+    let base = super::pool::SharedMut::new(out);
+    pool.run(chunks, &|i| {
+        // SAFETY: chunk i is `out[i·per_task ..]`, disjoint from every other task's.
+        let o = unsafe { base.range(i * per_task, per_task) };
+        task(a, w, i * per_task / (GROUP * m), o)
+    });
     if !direct {
         for (g, gb) in buf.chunks_exact(GROUP * m).enumerate() {
             let lanes = GROUP.min(n - g * GROUP);
@@ -1200,7 +1193,7 @@ mod tests {
     fn rows_are_invariant() {
         let mut rng = StdRng::seed_from_u64(22);
         let (k, n) = (768, 1400);
-        assert!(n * k >= PAR_MIN_WEIGHTS);
+        assert!(n * k >= PAR_MIN_WORK);
         for isa in isas() {
             for format in FORMATS {
                 let w = random_packed(&mut rng, format, n, k);
@@ -1365,7 +1358,7 @@ mod tests {
 
     /// `cargo test --release --lib q8matmul::tests::handoff -- --ignored --nocapture`: µs per call of
     /// SmolLM2's products (weights cycled through 30 copies, as in a decoding step) on the calling
-    /// thread alone and on rayon's global pool called from outside it (as the decode loop calls).
+    /// thread alone and on the kernel pool (as the decode loop calls).
     #[test]
     #[ignore]
     fn handoff() {

@@ -24,9 +24,7 @@
 //! tile adds one multiply-add per weight. On AVX-512 CPUs one register holds two weight rows' 8-lane
 //! accumulators (same lanes, same operations, half the instructions). Tall blocks dequantise a group
 //! of weight rows once into a buffer for the dense kernel instead. Output columns are split into
-//! ranges that rayon spreads over threads; each output element is computed by one thread.
-
-use rayon::prelude::*;
+//! ranges that the kernel pool spreads over threads; each output element is computed by one thread.
 
 use super::isa::Isa;
 use super::matmul::{process_path, Path};
@@ -258,7 +256,7 @@ pub fn matmul_blocks_with(isa: Isa, x: &[f32], w: &BlockMatrix, y: &mut [f32], m
     let parallel = m * n * k >= PAR_MIN_WORK;
     // Column ranges: a few per thread for balance, in whole tiles of 4.
     let ranges = if parallel {
-        4 * rayon::current_num_threads()
+        4 * super::pool::Pool::global().threads()
     } else {
         1
     };
@@ -266,12 +264,14 @@ pub fn matmul_blocks_with(isa: Isa, x: &[f32], w: &BlockMatrix, y: &mut [f32], m
     // Tasks write column-major [n, m]; with one row that is y itself.
     let mut transposed = if m > 1 { vec![0.0f32; n * m] } else { Vec::new() };
     let out: &mut [f32] = if m > 1 { &mut transposed } else { y };
-    let run = |(ci, o): (usize, &mut [f32])| task(x, w, ci * range_cols, o.len() / m, m, o);
-    if parallel {
-        out.par_chunks_mut(range_cols * m).enumerate().for_each(run);
-    } else {
-        out.chunks_mut(range_cols * m).enumerate().for_each(run);
-    }
+    let chunk = range_cols * m;
+    let chunks = out.len().div_ceil(chunk);
+    let shared = super::pool::SharedMut::new(out);
+    super::pool::Pool::global().run(chunks, &|ci| {
+        // SAFETY: range ci writes its own columns.
+        let o = unsafe { shared.range(ci * chunk, chunk) };
+        task(x, w, ci * range_cols, o.len() / m, m, o)
+    });
     if m > 1 {
         for (j, col) in transposed.chunks_exact(m).enumerate() {
             for (r, &v) in col.iter().enumerate() {

@@ -1,0 +1,290 @@
+//! A persistent pool of spinning worker threads for the kernels' fork-joins.
+//!
+//! A SmolLM2 decoding step is about 200 matrix products of 10-100 µs each. Handing one to rayon from
+//! outside its pool and waking the caller again costs 6-10 µs (a futex wake-up each way), so small
+//! products used to stay on one core, and a one-row step ran mostly single-threaded. Here the workers
+//! spin on a shared counter for a while after each job (as ggml's threads do), so a hand-off costs a few
+//! cache-line transfers (well under a microsecond) while jobs come in quick succession, and they park on
+//! a condition variable once the caller has gone quiet (between turns of a conversation, say), so an
+//! idle process does not burn a core.
+//!
+//! The caller takes part in its own job, and never waits for a parked worker to wake up: a job is a
+//! counter of task indices that whoever is there claims, so a late worker finds nothing left to do.
+//! Results never depend on which thread ran a task (each task writes its own outputs with its own fixed
+//! arithmetic), so a job submitted while another is running (tests in parallel, a nested call) simply
+//! runs on its caller's thread.
+
+use std::cell::UnsafeCell;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How long an idle worker keeps spinning before it parks. Long enough to span the gaps between the
+/// products of a step and between steps (sampling, tree building), short enough not to matter when the
+/// process waits for input.
+const SPIN: Duration = Duration::from_millis(2);
+
+/// The job being run: a borrowed closure (lifetime erased; see [`Pool::run`] for why that is sound)
+/// and its number of tasks.
+#[derive(Clone, Copy)]
+struct Job {
+    f: *const (dyn Fn(usize) + Sync),
+    tasks: usize,
+}
+
+struct Shared {
+    /// Bumped for every job, so a worker knows there is something new to look at.
+    epoch: AtomicU64,
+    /// Whether `job` may be read: set after it is written, cleared before the caller waits for the
+    /// workers to leave.
+    open: AtomicBool,
+    job: UnsafeCell<Job>,
+    /// Next task index to claim.
+    next: AtomicUsize,
+    /// Workers inside the current job.
+    active: AtomicUsize,
+    /// Parked workers, and how they are woken.
+    sleeping: AtomicUsize,
+    lock: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the one caller holding `Pool::submit`, while `open` is false and no
+// worker is inside a job (`active == 0`); workers read it only between raising `active` and seeing
+// `open` set, both sequentially consistent (see `Pool::run`).
+unsafe impl Sync for Shared {}
+unsafe impl Send for Shared {}
+
+pub struct Pool {
+    shared: Arc<Shared>,
+    /// Threads a job runs on, the caller included.
+    threads: usize,
+    /// One job at a time; a second caller runs its job alone.
+    submit: Mutex<()>,
+}
+
+impl Pool {
+    /// The process's pool: `RAYON_NUM_THREADS` threads if set (the variable candle and rayon read), else
+    /// one per core, the caller being one of them.
+    pub fn global() -> &'static Pool {
+        static POOL: OnceLock<Pool> = OnceLock::new();
+        POOL.get_or_init(|| {
+            let threads = std::env::var("RAYON_NUM_THREADS")
+                .ok()
+                .and_then(|v| v.parse::<usize>().ok())
+                .filter(|&n| n > 0)
+                .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+                .unwrap_or(1);
+            Pool::new(threads)
+        })
+    }
+
+    fn new(threads: usize) -> Pool {
+        let shared = Arc::new(Shared {
+            epoch: AtomicU64::new(0),
+            open: AtomicBool::new(false),
+            job: UnsafeCell::new(Job { f: &|_| {}, tasks: 0 }),
+            next: AtomicUsize::new(0),
+            active: AtomicUsize::new(0),
+            sleeping: AtomicUsize::new(0),
+            lock: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        for i in 1..threads {
+            let s = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("probespec-kernel-{i}"))
+                .spawn(move || worker(&s));
+            if spawned.is_err() {
+                // Fewer threads only means less parallelism.
+                return Pool {
+                    shared,
+                    threads: i,
+                    submit: Mutex::new(()),
+                };
+            }
+        }
+        Pool {
+            shared,
+            threads,
+            submit: Mutex::new(()),
+        }
+    }
+
+    /// Threads a job may run on (the caller included).
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
+    /// Runs `f(0) .. f(tasks - 1)`, each exactly once, spread over the pool's threads and the caller;
+    /// returns when all have finished. Inside a rayon pool of one thread (the kernels' tests pin their
+    /// thread count that way) or while another job runs, everything runs on the caller's thread.
+    pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        let guard = if tasks > 1 && self.threads > 1 && rayon::current_num_threads() > 1 {
+            self.submit.try_lock().ok()
+        } else {
+            None
+        };
+        let Some(_guard) = guard else {
+            (0..tasks).for_each(f);
+            return;
+        };
+        let s = &*self.shared;
+        // SAFETY: we hold `submit`, and the previous job ended with `open` false and `active` 0, so no
+        // worker reads `job` now. The lifetime is erased, but `f` outlives every use: a worker reads the
+        // job only after raising `active` and then seeing `open`; we clear `open` and then wait for
+        // `active` to reach 0 before returning. In the sequentially consistent order, a worker that raises
+        // `active` after our last read of it also reads `open` after we cleared it, and leaves.
+        unsafe {
+            *s.job.get() = Job {
+                f: std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(
+                    f,
+                ),
+                tasks,
+            };
+        }
+        s.next.store(0, SeqCst);
+        s.open.store(true, SeqCst);
+        s.epoch.fetch_add(1, SeqCst);
+        if s.sleeping.load(SeqCst) > 0 {
+            let _l = s.lock.lock().unwrap();
+            s.wake.notify_all();
+        }
+        loop {
+            let i = s.next.fetch_add(1, SeqCst);
+            if i >= tasks {
+                break;
+            }
+            f(i);
+        }
+        s.open.store(false, SeqCst);
+        while s.active.load(SeqCst) != 0 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// A mutable slice that the tasks of one job write in disjoint ranges.
+pub struct SharedMut<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _slice: std::marker::PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: tasks only take disjoint ranges (the caller of `range` promises it).
+unsafe impl<T: Send> Sync for SharedMut<'_, T> {}
+
+impl<'a, T> SharedMut<'a, T> {
+    pub fn new(s: &'a mut [T]) -> Self {
+        SharedMut {
+            ptr: s.as_mut_ptr(),
+            len: s.len(),
+            _slice: std::marker::PhantomData,
+        }
+    }
+
+    /// Elements `start .. start + len` (clipped to the end).
+    ///
+    /// # Safety
+    /// No two live ranges may overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn range(&self, start: usize, len: usize) -> &'a mut [T] {
+        assert!(start <= self.len);
+        let len = len.min(self.len - start);
+        std::slice::from_raw_parts_mut(self.ptr.add(start), len)
+    }
+}
+
+fn worker(s: &Shared) {
+    let mut seen = s.epoch.load(SeqCst);
+    loop {
+        // Wait for a new job: spin, then park.
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while s.epoch.load(SeqCst) == seen {
+            std::hint::spin_loop();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
+                let mut l = s.lock.lock().unwrap();
+                s.sleeping.fetch_add(1, SeqCst);
+                while s.epoch.load(SeqCst) == seen {
+                    l = s.wake.wait(l).unwrap();
+                }
+                s.sleeping.fetch_sub(1, SeqCst);
+                break;
+            }
+        }
+        seen = s.epoch.load(SeqCst);
+        s.active.fetch_add(1, SeqCst);
+        if s.open.load(SeqCst) {
+            // SAFETY: see `Pool::run`: while we are active and the job is open, it stays valid.
+            let job = unsafe { *s.job.get() };
+            let f = unsafe { &*job.f };
+            loop {
+                let i = s.next.fetch_add(1, SeqCst);
+                if i >= job.tasks {
+                    break;
+                }
+                f(i);
+            }
+        }
+        s.active.fetch_sub(1, SeqCst);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_task_runs_once() {
+        let pool = Pool::new(3);
+        for tasks in [0, 1, 2, 5, 64, 1000] {
+            let hits: Vec<AtomicUsize> = (0..tasks).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(tasks, &|i| {
+                hits[i].fetch_add(1, SeqCst);
+            });
+            assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "{tasks} tasks");
+        }
+    }
+
+    #[test]
+    fn concurrent_and_nested_callers_still_run_everything() {
+        let pool = Arc::new(Pool::new(2));
+        std::thread::scope(|sc| {
+            for t in 0..4 {
+                let pool = pool.clone();
+                sc.spawn(move || {
+                    for round in 0..200 {
+                        let n = 1 + (t * 7 + round) % 13;
+                        let total = AtomicUsize::new(0);
+                        pool.run(n, &|i| {
+                            // A nested job runs on this thread.
+                            let inner = AtomicUsize::new(0);
+                            pool.run(3, &|j| {
+                                inner.fetch_add(j + 1, SeqCst);
+                            });
+                            total.fetch_add(i + inner.load(SeqCst), SeqCst);
+                        });
+                        assert_eq!(total.load(SeqCst), n * (n - 1) / 2 + 6 * n);
+                    }
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn workers_park_and_come_back() {
+        let pool = Pool::new(2);
+        let count = AtomicUsize::new(0);
+        pool.run(4, &|_| {
+            count.fetch_add(1, SeqCst);
+        });
+        std::thread::sleep(SPIN * 3);
+        assert_eq!(pool.shared.sleeping.load(SeqCst), 1, "the idle worker parks");
+        pool.run(4, &|_| {
+            count.fetch_add(1, SeqCst);
+        });
+        assert_eq!(count.load(SeqCst), 8);
+    }
+}
