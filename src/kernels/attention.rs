@@ -1,12 +1,28 @@
 //! Row-invariant attention for f32 on the CPU, with an arbitrary additive mask.
 //!
-//! Each (query row, head) is computed by one thread with one fixed sequence of operations over the keys it
-//! may see, in cache order: scores (a dot product with a fixed 8-lane reduction), their maximum, the sum of
-//! exponentials, and the weighted sum of values. Masked keys are skipped outright, so a tree node that sees
-//! prefix + ancestors computes exactly what plain decoding computes for the same token over the same
-//! cache: the property speculative decoding's losslessness rests on. candle's CPU flash-attention kernel
-//! takes a scalar path per key when given a mask, which made every extra row of a speculative block cost
-//! about as much attention as a whole plain step at long contexts; this kernel is vectorisable either way.
+//! # The per-row recipe
+//! A query row sees some keys (a causal prefix, or a tree's prefix + ancestors); call them, in cache
+//! order, its *visible list*. For each head:
+//! 1. every score is `dot(q, k_j) · scale + bias_j`, the dot product one chain of fused multiply-adds
+//!    over the head dimension in order (`s = fma(q_d, k_jd, s)` from 0);
+//! 2. `max` over the visible scores (exact in any order);
+//! 3. `p_t = exp(s_t - max)` for the t-th visible key, by one fixed polynomial ([`exp_nonpositive`]);
+//! 4. `sum = Σ p_t` in 16 lanes by visible position (lane `t mod 16`), then a fixed tree;
+//! 5. `o = Σ p_t · v_t` as one fused multiply-add chain per output element, in visible order;
+//!    then `o · (1 / sum)`.
+//!
+//! Every step depends only on the visible list's contents and order, never on where the keys sit in
+//! the cache or what the hidden keys hold: a tree node that sees prefix + ancestors computes exactly
+//! what plain decoding computes for the same token over a cache holding just those rows, which is what
+//! speculative decoding's losslessness rests on. The arithmetic is scalar-exact IEEE (fused
+//! multiply-adds, adds, multiplies in a fixed order), so the AVX-512, AVX2 and portable builds
+//! ([`Width`]) give the same bits.
+//!
+//! # Speed
+//! Keys are transposed once per (key/value head, tile of query rows) into `[head_dim][keys]`, so the
+//! scores of 16 keys fill one vector with no horizontal sums, and that transposed block is shared by
+//! every query head of the group and every row of the tile: the query rows of a block share each key
+//! read. Units of (key/value head, row tile) run on the kernel pool.
 
 use candle_core::{DType, Error, Result, Storage, Tensor};
 
@@ -19,41 +35,62 @@ pub enum Visibility<'a> {
     Additive(&'a [f32]),
 }
 
-/// Lanes of the fixed reduction: a dot product keeps 16 partial sums (lane `i` takes terms `i`, `i + 16`,
-/// ...), each a chain of fused multiply-adds, then adds them in a fixed tree. One 512-bit register, two
-/// 256-bit ones, or an array in the portable build: the same operations in the same order, so every
-/// variant gives the same bits.
+/// Vector lanes of the fixed sum (step 4) and of the transposed key blocks.
 const LANES: usize = 16;
+/// Keys scored together: 8 independent 16-lane chains hide the fused multiply-add latency.
+const KEY_CHUNK: usize = 64;
+/// Head dimensions accumulated together in step 5 (per pass over the visible keys).
+const DIM_CHUNK: usize = 64;
+/// Query heads per key/value head that get their own reciprocal slot (more wrap around, which only
+/// matters for its reuse order, never its value).
+const MAX_GROUP: usize = 64;
 
-/// Sum of products in the fixed order above.
+/// `exp(x)` for `x <= 0` (a softmax's shifted scores), to about 2 ulp: `2^n · P(r)` with `n =
+/// round(x / ln 2)`, `r = x - n ln 2` in two fused steps, and a degree-6 polynomial. Values below -87
+/// are taken at -87 (about 1.6e-38, beside a maximum of 1). Only fused multiply-adds, multiplies, adds
+/// and integer bit operations: the same bits in every build.
 #[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
+fn exp_nonpositive(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    const MAGIC: f32 = 12_582_912.0; // 1.5 · 2^23: adding it rounds to an integer (ties to even)
+    let x = x.max(-87.0);
+    let t = x.mul_add(LOG2E, MAGIC);
+    let n = t.to_bits() as i32 - MAGIC.to_bits() as i32;
+    let nf = t - MAGIC;
+    let r = nf.mul_add(-LN2_LO, nf.mul_add(-LN2_HI, x));
+    let mut p: f32 = 1.0 / 720.0;
+    p = p.mul_add(r, 1.0 / 120.0);
+    p = p.mul_add(r, 1.0 / 24.0);
+    p = p.mul_add(r, 1.0 / 6.0);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r, 1.0);
+    p = p.mul_add(r, 1.0);
+    p * f32::from_bits(((n + 127) as u32) << 23)
+}
+
+/// `Σ x` in 16 lanes by position, then a fixed tree (step 4).
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
     let mut acc = [0.0f32; LANES];
-    let (ca, cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
-    let (ta, tb) = (ca.remainder(), cb.remainder());
-    for (x, y) in ca.zip(cb) {
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
         for l in 0..LANES {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+            acc[l] += c[l];
         }
     }
-    for l in 0..ta.len() {
-        acc[l] = ta[l].mul_add(tb[l], acc[l]);
+    for (l, v) in tail.iter().enumerate() {
+        acc[l] += v;
     }
     let v8: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[i + 8]);
     let v4: [f32; 4] = std::array::from_fn(|i| v8[i] + v8[i + 4]);
     (v4[0] + v4[2]) + (v4[1] + v4[3])
 }
 
-/// `o += p · v`, one fused multiply-add per element.
-#[inline(always)]
-fn axpy(o: &mut [f32], p: f32, v: &[f32]) {
-    for (oi, vi) in o.iter_mut().zip(v) {
-        *oi = p.mul_add(*vi, *oi);
-    }
-}
-
-/// The vector width the per-row loops are compiled for, chosen at run time. Only the width differs (see
-/// [`LANES`]); every width gives the same result.
+/// The vector width the loops are compiled for, chosen at run time. Only the width differs (see the
+/// module's recipe); every width gives the same result.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Width {
     /// AVX-512 with FMA.
@@ -87,105 +124,319 @@ impl Width {
     }
 }
 
-/// One attention problem, split into units of (query row, key/value head).
-struct HeadRows<'a> {
+/// One attention problem, cut into units of (key/value head, tile of query rows).
+struct Problem<'a> {
     qv: &'a [f32],
     kd: &'a [f32],
     vd: &'a [f32],
     vis: Visibility<'a>,
     scale: f32,
+    rows: usize,
     keys: usize,
     heads: usize,
+    kv_heads: usize,
     hd: usize,
-    group: usize,
     row_stride: usize,
+    tile: usize,
 }
 
-impl HeadRows<'_> {
+/// Per-unit buffers.
+#[derive(Default)]
+struct Scratch {
+    /// `[hd][kp]`: the unit's keys transposed, `kp` = keys rounded up to a whole chunk.
+    kt: Vec<f32>,
+    /// Scores of one (row, head) over all keys.
+    scores: Vec<f32>,
+    /// The row's visible list: key indices, and then their `p_t`.
+    visible: Vec<u32>,
+    p: Vec<f32>,
+}
+
+impl Problem<'_> {
+    fn units(&self) -> usize {
+        self.kv_heads * self.rows.div_ceil(self.tile)
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-    unsafe fn run_512(&self, i: usize, o: &mut [f32]) {
-        self.run(i, o)
+    unsafe fn unit_512(&self, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
+        self.unit(Width::W512, u, s, out)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_256(&self, i: usize, o: &mut [f32]) {
-        self.run(i, o)
+    unsafe fn unit_256(&self, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
+        self.unit(Width::W256, u, s, out)
     }
 
-    fn run_with(&self, width: Width, i: usize, o: &mut [f32]) {
-        assert!(width.available(), "{width:?} attention on a CPU without it");
+    fn unit_with(&self, width: Width, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
         match width {
-            // SAFETY: checked just above.
+            // SAFETY: `attention_f32_with` checked that the CPU has the width.
             #[cfg(target_arch = "x86_64")]
-            Width::W512 => unsafe { self.run_512(i, o) },
+            Width::W512 => unsafe { self.unit_512(u, s, out) },
             #[cfg(target_arch = "x86_64")]
-            Width::W256 => unsafe { self.run_256(i, o) },
-            _ => self.run(i, o),
+            Width::W256 => unsafe { self.unit_256(u, s, out) },
+            _ => self.unit(Width::Portable, u, s, out),
         }
     }
 
-    /// Outputs `o` (`group · head_dim` values) of the `group` query heads that share key/value head
-    /// `i % kv_heads`, for query row `i / kv_heads`.
-    ///
-    /// The heads of a group are interleaved key by key, so each key and value row is read from memory
-    /// once for the whole group; each head still runs its own fixed sequence (scores in key order, their
-    /// maximum, exponentials and weighted values summed in key order), so a head's result does not
-    /// depend on the grouping.
+    /// Unit `u`: key/value head `u % kv_heads`, query rows of tile `u / kv_heads`, every query head of
+    /// the group. Writes those rows' outputs of those heads.
     #[inline(always)]
-    fn run(&self, i: usize, o: &mut [f32]) {
-        let (hd, keys, group) = (self.hd, self.keys, self.group);
-        let kv_heads = self.heads / group;
-        let (r, kvh) = (i / kv_heads, i % kv_heads);
-        let q0 = (r * self.heads + kvh * group) * hd;
-        let qs = &self.qv[q0..q0 + group * hd];
-        // The keys this row sees, with their additive bias, in cache order.
-        let (seen, mask): (usize, Option<&[f32]>) = match self.vis {
-            Visibility::Causal { offset } => ((offset + r + 1).min(keys), None),
-            Visibility::Additive(m) => (keys, Some(&m[r * keys..(r + 1) * keys])),
+    fn unit(&self, width: Width, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
+        let (hd, keys, heads) = (self.hd, self.keys, self.heads);
+        let group = heads / self.kv_heads;
+        let (kvh, t) = (u % self.kv_heads, u / self.kv_heads);
+        let rows = t * self.tile..((t + 1) * self.tile).min(self.rows);
+        // The keys any row of the tile sees lie below `seen`.
+        let seen = match self.vis {
+            Visibility::Causal { offset } => (offset + rows.end).min(keys),
+            Visibility::Additive(_) => keys,
         };
-        let bias = |j: usize| -> Option<f32> {
-            match mask {
-                None => Some(0.0),
-                Some(m) => (m[j] != f32::NEG_INFINITY).then_some(m[j]),
+        let kp = seen.next_multiple_of(KEY_CHUNK);
+        self.transpose_keys(width, kvh, seen, kp, &mut s.kt);
+        // Every (row, head) of the unit is scored chunk by chunk, while the chunk's keys sit in L1.
+        let slots = rows.len() * group;
+        if s.scores.len() < slots * kp {
+            s.scores.resize(slots * kp, 0.0);
+        }
+        let q = |slot: usize| {
+            let (r, g) = (rows.start + slot / group, slot % group);
+            &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
+        };
+        for j0 in (0..kp).step_by(KEY_CHUNK) {
+            let mut slot = 0;
+            while slot + 1 < slots {
+                let (a, b) = s.scores[slot * kp..].split_at_mut(kp);
+                score_chunk2(
+                    [q(slot), q(slot + 1)],
+                    &s.kt,
+                    kp,
+                    j0,
+                    [&mut a[j0..j0 + KEY_CHUNK], &mut b[j0..j0 + KEY_CHUNK]],
+                );
+                slot += 2;
             }
-        };
-        // scores[g * keys + j]
-        let mut scores = vec![f32::NEG_INFINITY; group * keys];
-        let mut max = vec![f32::NEG_INFINITY; group];
-        for j in 0..seen {
-            if let Some(b) = bias(j) {
-                let base = j * self.row_stride + kvh * hd;
-                let kr = &self.kd[base..base + hd];
-                for g in 0..group {
-                    let s = dot(&qs[g * hd..(g + 1) * hd], kr) * self.scale + b;
-                    scores[g * keys + j] = s;
-                    max[g] = max[g].max(s);
+            if slot < slots {
+                score_chunk(
+                    q(slot),
+                    &s.kt,
+                    kp,
+                    j0,
+                    &mut s.scores[slot * kp + j0..][..KEY_CHUNK],
+                );
+            }
+        }
+        for (ri, r) in rows.enumerate() {
+            s.visible.clear();
+            match self.vis {
+                Visibility::Causal { offset } => s.visible.extend(0..(offset + r + 1).min(keys) as u32),
+                Visibility::Additive(m) => {
+                    let m = &m[r * keys..(r + 1) * keys];
+                    s.visible
+                        .extend((0..seen).filter(|&j| m[j] != f32::NEG_INFINITY).map(|j| j as u32));
                 }
             }
-        }
-        let mut sum = vec![0.0f32; group];
-        for j in 0..seen {
-            if bias(j).is_none() {
+            // SAFETY: row r's heads of this group are written by this unit only.
+            let o = unsafe { out.range((r * heads + kvh * group) * hd, group * hd) };
+            o.fill(0.0);
+            if s.visible.is_empty() {
                 continue;
             }
-            let base = j * self.row_stride + kvh * hd;
-            let vr = &self.vd[base..base + hd];
+            let nv = s.visible.len();
+            s.p.clear();
+            s.p.resize(group * nv, 0.0);
+            let mut inv = [0.0f32; MAX_GROUP];
             for g in 0..group {
-                let s = scores[g * keys + j];
-                if s == f32::NEG_INFINITY {
-                    continue;
+                let scores = &s.scores[(ri * group + g) * kp..][..kp];
+                let p = &mut s.p[g * nv..(g + 1) * nv];
+                match self.vis {
+                    Visibility::Causal { .. } => {
+                        for (pt, &j) in p.iter_mut().zip(&s.visible) {
+                            *pt = scores[j as usize] * self.scale;
+                        }
+                    }
+                    Visibility::Additive(m) => {
+                        let m = &m[r * keys..];
+                        for (pt, &j) in p.iter_mut().zip(&s.visible) {
+                            *pt = scores[j as usize] * self.scale + m[j as usize];
+                        }
+                    }
                 }
-                let p = (s - max[g]).exp();
-                sum[g] += p;
-                axpy(&mut o[g * hd..(g + 1) * hd], p, vr);
+                let max = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                for x in p.iter_mut() {
+                    *x = exp_nonpositive(*x - max);
+                }
+                inv[g % MAX_GROUP] = 1.0 / lane_sum(p);
+            }
+            // Two heads at a time: twice the independent accumulation chains.
+            let mut g = 0;
+            while g < group {
+                let pair = (group - g).min(2);
+                let og = &mut o[g * hd..(g + pair) * hd];
+                self.weighted_values(kvh, &s.visible, &s.p[g * nv..(g + pair) * nv], pair, og);
+                for (h, oh) in og.chunks_exact_mut(hd).enumerate() {
+                    let i = inv[(g + h) % MAX_GROUP];
+                    oh.iter_mut().for_each(|x| *x *= i);
+                }
+                g += pair;
             }
         }
-        for g in 0..group {
-            let inv = 1.0 / sum[g];
-            o[g * hd..(g + 1) * hd].iter_mut().for_each(|x| *x *= inv);
+    }
+
+    /// `kt[d · kp + j] = k_j[d]` for the keys below `seen` of head `kvh` (columns from `seen` to `kp`
+    /// keep whatever they held: their scores are never read). Pure data movement, so how it is done
+    /// cannot change a result.
+    #[inline(always)]
+    fn transpose_keys(&self, width: Width, kvh: usize, seen: usize, kp: usize, kt: &mut Vec<f32>) {
+        let hd = self.hd;
+        if kt.len() < hd * kp {
+            kt.resize(hd * kp, 0.0);
         }
+        let src = |j: usize, d: usize| j * self.row_stride + kvh * hd + d;
+        let mut j0 = 0;
+        #[cfg(target_arch = "x86_64")]
+        if width == Width::W512 && hd.is_multiple_of(LANES) {
+            while j0 + LANES <= seen {
+                for d0 in (0..hd).step_by(LANES) {
+                    let from = &self.kd[src(j0, d0)..src(j0 + LANES - 1, d0) + LANES];
+                    let to = &mut kt[d0 * kp + j0..(d0 + LANES - 1) * kp + j0 + LANES];
+                    // SAFETY: W512 was checked by the caller; both slices span the 16 x 16 block.
+                    unsafe { transpose16_avx512(from, self.row_stride, to, kp) };
+                }
+                j0 += LANES;
+            }
+        }
+        let _ = width;
+        for j in j0..seen {
+            for d in 0..hd {
+                kt[d * kp + j] = self.kd[src(j, d)];
+            }
+        }
+    }
+
+    /// `o_h = Σ_t p_ht · v_{visible[t]}` (step 5) for `heads` (1 or 2) heads: `p` and `o` hold one run
+    /// of `visible.len()` weights and one of `hd` outputs per head. A fused multiply-add chain per
+    /// element, in visible order.
+    #[inline(always)]
+    fn weighted_values(&self, kvh: usize, visible: &[u32], p: &[f32], heads: usize, o: &mut [f32]) {
+        let (hd, nv) = (self.hd, visible.len());
+        let value =
+            |j: u32, d0: usize, n: usize| &self.vd[j as usize * self.row_stride + kvh * hd + d0..][..n];
+        for d0 in (0..hd).step_by(DIM_CHUNK) {
+            if hd - d0 >= DIM_CHUNK && heads == 2 {
+                let (mut a, mut b) = ([0.0f32; DIM_CHUNK], [0.0f32; DIM_CHUNK]);
+                for ((&j, &pa), &pb) in visible.iter().zip(&p[..nv]).zip(&p[nv..]) {
+                    let v = value(j, d0, DIM_CHUNK);
+                    for l in 0..DIM_CHUNK {
+                        a[l] = pa.mul_add(v[l], a[l]);
+                        b[l] = pb.mul_add(v[l], b[l]);
+                    }
+                }
+                o[d0..d0 + DIM_CHUNK].copy_from_slice(&a);
+                o[hd + d0..hd + d0 + DIM_CHUNK].copy_from_slice(&b);
+            } else if hd - d0 >= DIM_CHUNK {
+                let mut a = [0.0f32; DIM_CHUNK];
+                for (&j, &pa) in visible.iter().zip(p) {
+                    let v = value(j, d0, DIM_CHUNK);
+                    for l in 0..DIM_CHUNK {
+                        a[l] = pa.mul_add(v[l], a[l]);
+                    }
+                }
+                o[d0..d0 + DIM_CHUNK].copy_from_slice(&a);
+            } else {
+                let n = hd - d0;
+                for h in 0..heads {
+                    let oh = &mut o[h * hd + d0..h * hd + hd];
+                    for (&j, &pt) in visible.iter().zip(&p[h * nv..(h + 1) * nv]) {
+                        for (acc, &x) in oh.iter_mut().zip(value(j, d0, n)) {
+                            *acc = pt.mul_add(x, *acc);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `scores[l] = Σ_d q_d · kt[d · kp + j0 + l]` for the [`KEY_CHUNK`] keys from `j0` (step 1's dot
+/// products), each a fused multiply-add chain in `d` order, 8 independent 16-lane chains at a time.
+#[inline(always)]
+fn score_chunk(q: &[f32], kt: &[f32], kp: usize, j0: usize, scores: &mut [f32]) {
+    let mut acc = [0.0f32; KEY_CHUNK];
+    for (d, &qd) in q.iter().enumerate() {
+        let k = &kt[d * kp + j0..][..KEY_CHUNK];
+        for l in 0..KEY_CHUNK {
+            acc[l] = qd.mul_add(k[l], acc[l]);
+        }
+    }
+    scores.copy_from_slice(&acc);
+}
+
+/// [`score_chunk`] for two query vectors at once: each key chunk loaded once, twice the independent
+/// chains (each score's own chain is unchanged).
+#[inline(always)]
+fn score_chunk2(q: [&[f32]; 2], kt: &[f32], kp: usize, j0: usize, scores: [&mut [f32]; 2]) {
+    let (mut a, mut b) = ([0.0f32; KEY_CHUNK], [0.0f32; KEY_CHUNK]);
+    for (d, (&qa, &qb)) in q[0].iter().zip(q[1]).enumerate() {
+        let k = &kt[d * kp + j0..][..KEY_CHUNK];
+        for l in 0..KEY_CHUNK {
+            a[l] = qa.mul_add(k[l], a[l]);
+            b[l] = qb.mul_add(k[l], b[l]);
+        }
+    }
+    let [sa, sb] = scores;
+    sa.copy_from_slice(&a);
+    sb.copy_from_slice(&b);
+}
+
+/// A 16 x 16 block transposed: `to[d · to_stride + j] = from[j · from_stride + d]`.
+///
+/// # Safety
+/// The CPU must have AVX-512F; `from` must hold 16 rows of 16 at `from_stride`, `to` 16 of 16 at
+/// `to_stride`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose16_avx512(from: &[f32], from_stride: usize, to: &mut [f32], to_stride: usize) {
+    use std::arch::x86_64::*;
+    assert!(from.len() >= 15 * from_stride + 16 && to.len() >= 15 * to_stride + 16);
+    let r: [__m512; 16] = std::array::from_fn(|i| _mm512_loadu_ps(from.as_ptr().add(i * from_stride)));
+    // Pairs of rows interleaved by 32 bits, then by 64: u[4i + c] holds, in 128-bit lane L, column
+    // c + 4L of rows 4i .. 4i + 4.
+    let mut t = [_mm512_setzero_ps(); 16];
+    for i in 0..8 {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    let pd = _mm512_castps_pd;
+    let mut u = [_mm512_setzero_ps(); 16];
+    for i in 0..4 {
+        let (a, b, c, d) = (t[4 * i], t[4 * i + 1], t[4 * i + 2], t[4 * i + 3]);
+        u[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(a), pd(c)));
+        u[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(a), pd(c)));
+        u[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(pd(b), pd(d)));
+        u[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(pd(b), pd(d)));
+    }
+    // Then 128-bit lanes gathered across row groups: whole columns.
+    let out = to.as_mut_ptr();
+    for c in 0..4 {
+        let w88 = _mm512_shuffle_f32x4::<0x88>(u[c], u[4 + c]);
+        let wdd = _mm512_shuffle_f32x4::<0xdd>(u[c], u[4 + c]);
+        let x88 = _mm512_shuffle_f32x4::<0x88>(u[8 + c], u[12 + c]);
+        let xdd = _mm512_shuffle_f32x4::<0xdd>(u[8 + c], u[12 + c]);
+        _mm512_storeu_ps(out.add(c * to_stride), _mm512_shuffle_f32x4::<0x88>(w88, x88));
+        _mm512_storeu_ps(
+            out.add((c + 8) * to_stride),
+            _mm512_shuffle_f32x4::<0xdd>(w88, x88),
+        );
+        _mm512_storeu_ps(
+            out.add((c + 4) * to_stride),
+            _mm512_shuffle_f32x4::<0x88>(wdd, xdd),
+        );
+        _mm512_storeu_ps(
+            out.add((c + 12) * to_stride),
+            _mm512_shuffle_f32x4::<0xdd>(wdd, xdd),
+        );
     }
 }
 
@@ -215,6 +466,7 @@ pub fn attention_f32_with(
     vis: Visibility,
     scale: f32,
 ) -> Result<Tensor> {
+    assert!(width.available(), "{width:?} attention on a CPU without it");
     for t in [q, k, v] {
         if t.dtype() != DType::F32 {
             return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
@@ -222,6 +474,11 @@ pub fn attention_f32_with(
     }
     let (_, rows, heads, hd) = q.dims4()?;
     let (_, keys, kv_heads, _) = k.dims4()?;
+    if kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(Error::Msg(format!(
+            "attention_f32: {heads} query heads over {kv_heads} key/value heads"
+        )));
+    }
     if let Visibility::Additive(m) = vis {
         if m.len() != rows * keys {
             return Err(Error::Msg(format!(
@@ -242,27 +499,30 @@ pub fn attention_f32_with(
         ));
     }
     let (kd, vd) = (cpu_f32(&kg, kl.start_offset())?, cpu_f32(&vg, vl.start_offset())?);
-    let group = heads / kv_heads;
     let mut out = vec![0.0f32; rows * heads * hd];
-    let job = HeadRows {
+    let pool = super::pool::Pool::global();
+    // Row tiles as tall as possible while there are still a few units per thread to balance.
+    let tiles = (2 * pool.threads()).div_ceil(kv_heads).clamp(1, rows.max(1));
+    let problem = Problem {
         qv: &qv,
         kd,
         vd,
         vis,
         scale,
+        rows,
         keys,
         heads,
+        kv_heads,
         hd,
-        group,
         row_stride,
+        tile: rows.div_ceil(tiles).max(1),
     };
-    let chunk = group * hd;
-    let units = rows * kv_heads;
     let shared = super::pool::SharedMut::new(&mut out);
-    super::pool::Pool::global().run(units, &|i| {
-        // SAFETY: unit i writes its own `chunk` outputs.
-        let o = unsafe { shared.range(i * chunk, chunk) };
-        job.run_with(width, i, o);
+    pool.run(problem.units(), &|u| {
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Scratch> = Default::default();
+        }
+        SCRATCH.with(|s| problem.unit_with(width, u, &mut s.borrow_mut(), &shared));
     });
     Tensor::from_vec(out, (rows, heads * hd), q.device())
 }
@@ -395,7 +655,8 @@ mod tests {
 
     /// `cargo test --release --lib attention::tests::timing -- --ignored --nocapture`: µs per call of
     /// SmolLM2's attention (9 heads, 3 key/value heads, head size 64) after 256 cached rows, for blocks of
-    /// 1..32 rows under a tree mask (every row sees the cache and itself).
+    /// 1..32 rows under a tree mask (every row sees the cache and itself). Run with `RAYON_NUM_THREADS=1`
+    /// for the single-thread cost.
     #[test]
     #[ignore]
     fn timing() {
@@ -419,7 +680,15 @@ mod tests {
             let t = crate::kernels::median_ms(0.05, || {
                 attention_f32(&q, &k, &v, Visibility::Additive(&mask), 0.125).unwrap();
             });
-            println!("{rows:3} rows: {:8.1} us", t * 1e3);
+            // With RAYON_NUM_THREADS=1 the CPU time of this thread is the whole work.
+            let cpu = crate::kernels::median_cpu_ms(|| {
+                attention_f32(&q, &k, &v, Visibility::Additive(&mask), 0.125).unwrap();
+            });
+            println!(
+                "{rows:3} rows: {:8.1} us wall, {:8.1} us CPU of this thread",
+                t * 1e3,
+                cpu * 1e3
+            );
         }
     }
 }

@@ -30,6 +30,34 @@ pub use matmul::{linear_f32, matmul_xwt};
 pub use q8matmul::{linear_q8, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
 
+/// Milliseconds of this thread's CPU time per call of `f` (median of 9 runs of at least 20 calls): for
+/// single-threaded timings on a machine shared with other work, where wall time mostly measures the
+/// neighbours.
+#[cfg(all(test, unix))]
+pub(crate) fn median_cpu_ms(mut f: impl FnMut()) -> f64 {
+    fn now() -> f64 {
+        let mut t = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: a valid out-pointer.
+        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+        t.tv_sec as f64 * 1e3 + t.tv_nsec as f64 * 1e-6
+    }
+    f();
+    let mut v: Vec<f64> = (0..9)
+        .map(|_| {
+            let t = now();
+            for _ in 0..20 {
+                f();
+            }
+            (now() - t) / 20.0
+        })
+        .collect();
+    v.sort_by(f64::total_cmp);
+    v[4]
+}
+
 /// Milliseconds per call of `f`: the median of 9 timed runs, each repeating `f` at least 3 times and for at
 /// least `min_seconds` (the kernels' ignored `timing` tests).
 #[cfg(test)]

@@ -280,7 +280,11 @@ mod tests {
         pool.run(4, &|_| {
             count.fetch_add(1, SeqCst);
         });
-        std::thread::sleep(SPIN * 3);
+        // It parks after SPIN of idling; on a busy machine it may take a while to be scheduled.
+        let start = Instant::now();
+        while pool.shared.sleeping.load(SeqCst) != 1 && start.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(SPIN);
+        }
         assert_eq!(pool.shared.sleeping.load(SeqCst), 1, "the idle worker parks");
         pool.run(4, &|_| {
             count.fetch_add(1, SeqCst);
