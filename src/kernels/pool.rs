@@ -24,6 +24,10 @@ use std::time::{Duration, Instant};
 /// process waits for input.
 const SPIN: Duration = Duration::from_millis(2);
 
+/// Busy-wait iterations (a few microseconds) before a waiting thread starts yielding its core between
+/// checks.
+const YIELD_AFTER: u32 = 2048;
+
 /// The job being run: a borrowed closure (lifetime erased; see [`Pool::run`] for why that is sound)
 /// and its number of tasks.
 #[derive(Clone, Copy)]
@@ -158,8 +162,15 @@ impl Pool {
             f(i);
         }
         s.open.store(false, SeqCst);
+        let mut spins = 0u32;
         while s.active.load(SeqCst) != 0 {
-            std::hint::spin_loop();
+            // A worker still inside may have been preempted (a busy machine): let it run.
+            spins += 1;
+            if spins > YIELD_AFTER {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
     }
 }
@@ -202,9 +213,15 @@ fn worker(s: &Shared) {
         let start = Instant::now();
         let mut spins = 0u32;
         while s.epoch.load(SeqCst) == seen {
-            std::hint::spin_loop();
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(1024) && start.elapsed() > SPIN {
+            if spins > YIELD_AFTER {
+                // Still responsive (a yield is about a microsecond), but a machine with more runnable
+                // threads than cores gets the core back.
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
                 let mut l = s.lock.lock().unwrap();
                 s.sleeping.fetch_add(1, SeqCst);
                 while s.epoch.load(SeqCst) == seen {
