@@ -307,6 +307,18 @@ impl Problem<'_> {
                 j0 += LANES;
             }
         }
+        #[cfg(target_arch = "x86_64")]
+        if width == Width::W256 && hd.is_multiple_of(8) {
+            while j0 + 8 <= seen {
+                for d0 in (0..hd).step_by(8) {
+                    let from = &self.kd[src(j0, d0)..src(j0 + 7, d0) + 8];
+                    let to = &mut kt[d0 * kp + j0..(d0 + 7) * kp + j0 + 8];
+                    // SAFETY: W256 (AVX2) was checked by the caller; both slices span the 8 x 8 block.
+                    unsafe { transpose8_avx(from, self.row_stride, to, kp) };
+                }
+                j0 += 8;
+            }
+        }
         let _ = width;
         for j in j0..seen {
             for d in 0..hd {
@@ -388,6 +400,47 @@ fn score_chunk2(q: [&[f32]; 2], kt: &[f32], kp: usize, j0: usize, scores: [&mut 
     let [sa, sb] = scores;
     sa.copy_from_slice(&a);
     sb.copy_from_slice(&b);
+}
+
+/// An 8 x 8 block transposed: `to[d · to_stride + j] = from[j · from_stride + d]`.
+///
+/// # Safety
+/// The CPU must have AVX; `from` must hold 8 rows of 8 at `from_stride`, `to` 8 of 8 at `to_stride`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn transpose8_avx(from: &[f32], from_stride: usize, to: &mut [f32], to_stride: usize) {
+    use std::arch::x86_64::*;
+    assert!(from.len() >= 7 * from_stride + 8 && to.len() >= 7 * to_stride + 8);
+    let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(from.as_ptr().add(i * from_stride)));
+    // Within 128-bit halves: rows interleaved by 32 bits, then 64; then the halves exchanged.
+    let t: [__m256; 8] = std::array::from_fn(|i| {
+        let (a, b) = (r[i / 2 * 2], r[i / 2 * 2 + 1]);
+        if i % 2 == 0 {
+            _mm256_unpacklo_ps(a, b)
+        } else {
+            _mm256_unpackhi_ps(a, b)
+        }
+    });
+    // u[4g + c]: column c (and c + 4 in the upper half) of rows 4g .. 4g + 4.
+    let mut u = [_mm256_setzero_ps(); 8];
+    for g in 0..2 {
+        let (a, b, c, d) = (t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]);
+        u[4 * g] = _mm256_shuffle_ps::<0x44>(a, c);
+        u[4 * g + 1] = _mm256_shuffle_ps::<0xee>(a, c);
+        u[4 * g + 2] = _mm256_shuffle_ps::<0x44>(b, d);
+        u[4 * g + 3] = _mm256_shuffle_ps::<0xee>(b, d);
+    }
+    let out = to.as_mut_ptr();
+    for c in 0..4 {
+        _mm256_storeu_ps(
+            out.add(c * to_stride),
+            _mm256_permute2f128_ps::<0x20>(u[c], u[4 + c]),
+        );
+        _mm256_storeu_ps(
+            out.add((c + 4) * to_stride),
+            _mm256_permute2f128_ps::<0x31>(u[c], u[4 + c]),
+        );
+    }
 }
 
 /// A 16 x 16 block transposed: `to[d · to_stride + j] = from[j · from_stride + d]`.
@@ -583,7 +636,12 @@ mod tests {
     #[test]
     fn every_width_gives_the_same_bits() {
         // Head size 72: four full chunks of 16 lanes and a remainder of 8.
-        for (rows, heads, kvh, hd, cached) in [(3, 6, 2, 72, 19), (2, 4, 4, 64, 40), (1, 2, 1, 16, 3)] {
+        for (rows, heads, kvh, hd, cached) in [
+            (3, 6, 2, 72, 19),
+            (2, 4, 4, 64, 40),
+            (1, 2, 1, 16, 3),
+            (5, 9, 3, 64, 150),
+        ] {
             let keys = cached + rows;
             let q = rand_tensor(&[1, rows, heads, hd], 4);
             let k = rand_tensor(&[1, keys, kvh, hd], 5);
