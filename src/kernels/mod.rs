@@ -27,7 +27,7 @@ mod test_util;
 pub use attention::{attention_f32, attention_f32_with, Visibility, Width};
 pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
-pub use q8matmul::{linear_q8, matmul_q8, PackedFormat, PackedMatrix};
+pub use q8matmul::{linear_q8, linear_q8_many, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
 
 /// Milliseconds of this thread's CPU time per call of `f` (median of 9 runs of at least 20 calls): for

@@ -576,15 +576,28 @@ type TaskFn = fn(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]);
 
 /// The product of already quantised rows (`y`: [a.rows, n]).
 pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut [f32]) {
-    let (n, k) = w.dims();
+    matmul_quantized_many(isa, a, &[w], &mut [y])
+}
+
+/// The products of the same quantised rows with several matrices (`ys[i]`: [a.rows, ws[i] rows]), as one
+/// job on the kernel pool: a layer's q/k/v or gate/up projections share one quantisation of their input
+/// and one hand-off, and the small ones no longer run alone.
+///
+/// # Panics
+/// If a shape does not match, or the variant is not implemented or not available.
+pub fn matmul_quantized_many(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: &mut [&mut [f32]]) {
+    assert_eq!(ws.len(), ys.len(), "matmul_q8: one output per matrix");
     let m = a.rows;
-    assert_eq!(a.cols, k, "matmul_q8: x has {} columns, the weight {k}", a.cols);
-    assert_eq!(y.len(), m * n, "matmul_q8: y must hold m*n = {m}*{n} values");
+    for (w, y) in ws.iter().zip(ys.iter()) {
+        let (n, k) = w.dims();
+        assert_eq!(a.cols, k, "matmul_q8: x has {} columns, the weight {k}", a.cols);
+        assert_eq!(y.len(), m * n, "matmul_q8: y must hold m*n = {m}*{n} values");
+    }
     assert!(
         isa.available(),
         "matmul_q8: {isa:?} requested on a CPU without it"
     );
-    if m == 0 || n == 0 {
+    if m == 0 {
         return;
     }
     let task: TaskFn = match isa {
@@ -597,30 +610,63 @@ pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut 
         Isa::Avx512Vnni => avx512vnni::task,
         _ => panic!("matmul_q8 has no {isa:?} variant"),
     };
-    let groups = w.groups();
     let pool = super::pool::Pool::global();
-    let tasks = if m * n * k >= PAR_MIN_WORK {
-        (4 * pool.threads()).min(groups)
-    } else {
-        1
-    };
-    let per_task = groups.div_ceil(tasks) * GROUP * m;
-    // Tasks write [group][row][16]; with one row and whole groups that is `y` itself.
-    let direct = m == 1 && n.is_multiple_of(GROUP);
-    let mut buf = if direct {
-        Vec::new()
-    } else {
-        vec![0.0f32; groups * GROUP * m]
-    };
-    let out: &mut [f32] = if direct { y } else { &mut buf };
-    let chunks = out.len().div_ceil(per_task);
-    let base = super::pool::SharedMut::new(out);
-    pool.run(chunks, &|i| {
-        // SAFETY: chunk i is `out[i·per_task ..]`, disjoint from every other task's.
-        let o = unsafe { base.range(i * per_task, per_task) };
-        task(a, w, i * per_task / (GROUP * m), o)
+    let work: usize = ws.iter().map(|w| m * w.rows * w.cols).sum();
+    let parallel = work >= PAR_MIN_WORK;
+    // Per matrix: its output (`y` itself when tasks can write it directly: one row, whole groups), and
+    // its tasks, each a run of whole groups writing [group][row][16].
+    struct Part<'a> {
+        w: &'a PackedMatrix,
+        per_task: usize,
+        first: usize,
+        out: super::pool::SharedMut<'a, f32>,
+    }
+    let mut bufs: Vec<Vec<f32>> = ws
+        .iter()
+        .map(|w| {
+            if m == 1 && w.rows.is_multiple_of(GROUP) {
+                Vec::new()
+            } else {
+                vec![0.0f32; w.groups() * GROUP * m]
+            }
+        })
+        .collect();
+    let mut parts = Vec::with_capacity(ws.len());
+    let mut tasks = 0;
+    for ((w, y), buf) in ws.iter().zip(ys.iter_mut()).zip(bufs.iter_mut()) {
+        let groups = w.groups();
+        if groups == 0 {
+            continue;
+        }
+        let n_tasks = if parallel {
+            (4 * pool.threads()).min(groups)
+        } else {
+            1
+        };
+        let per_task = groups.div_ceil(n_tasks) * GROUP * m;
+        let out: &mut [f32] = if buf.is_empty() { y } else { buf };
+        let chunks = out.len().div_ceil(per_task);
+        parts.push(Part {
+            w,
+            per_task,
+            first: tasks,
+            out: super::pool::SharedMut::new(out),
+        });
+        tasks += chunks;
+    }
+    pool.run(tasks, &|t| {
+        let p = &parts[parts.partition_point(|p| p.first <= t) - 1];
+        let i = t - p.first;
+        // SAFETY: task t writes chunk i of its matrix's output, which no other task touches.
+        let o = unsafe { p.out.range(i * p.per_task, p.per_task) };
+        task(a, p.w, i * p.per_task / (GROUP * m), o)
     });
-    if !direct {
+    drop(parts);
+    for ((w, y), buf) in ws.iter().zip(ys.iter_mut()).zip(&bufs) {
+        if buf.is_empty() {
+            continue;
+        }
+        let n = w.rows;
         for (g, gb) in buf.chunks_exact(GROUP * m).enumerate() {
             let lanes = GROUP.min(n - g * GROUP);
             for (r, v) in gb.chunks_exact(GROUP).enumerate() {
@@ -1065,6 +1111,15 @@ mod avx512vnni {
 /// # Errors
 /// If `x` is not f32, not on the CPU, not 2-D, or its width is not `w`'s.
 pub fn linear_q8(x: &Tensor, w: &PackedMatrix) -> Result<Tensor> {
+    Ok(linear_q8_many(x, &[w])?.pop().unwrap())
+}
+
+/// `x · Wᵢᵀ` for several matrices of `x`'s width: `x` quantised once, one job on the kernel pool (see
+/// [`matmul_quantized_many`]). Each result is what [`linear_q8`] gives alone.
+///
+/// # Errors
+/// If `x` is not f32, not on the CPU, not 2-D, or its width is not every matrix's.
+pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
     if x.dtype() != DType::F32 {
         return Err(Error::UnexpectedDType {
             msg: "linear_q8 takes f32 activations",
@@ -1077,14 +1132,30 @@ pub fn linear_q8(x: &Tensor, w: &PackedMatrix) -> Result<Tensor> {
         return Err(Error::Msg("linear_q8 takes CPU tensors".into()).bt());
     }
     let (m, k) = x.dims2()?;
-    let (n, kw) = w.dims();
-    if k != kw {
-        return Err(Error::Msg(format!("linear_q8: x has {k} columns, the weight {kw}")).bt());
+    for w in ws {
+        let kw = w.dims().1;
+        if k != kw {
+            return Err(Error::Msg(format!("linear_q8: x has {k} columns, the weight {kw}")).bt());
+        }
     }
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
-    let mut y = vec![0.0f32; m * n];
-    matmul_q8(&xs, w, &mut y, m);
-    Tensor::from_vec(y, (m, n), &Device::Cpu)
+    let x = x.contiguous()?;
+    let a = {
+        let (guard, layout) = x.storage_and_layout();
+        let candle_core::Storage::Cpu(cpu) = &*guard else {
+            return Err(Error::Msg("linear_q8 takes CPU tensors".into()).bt());
+        };
+        let xs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * k];
+        quantize_rows(xs, m, k)
+    };
+    let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; m * w.dims().0]).collect();
+    {
+        let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
+        matmul_quantized_many(default_isa(), &a, ws, &mut outs);
+    }
+    ys.into_iter()
+        .zip(ws)
+        .map(|(y, w)| Tensor::from_vec(y, (m, w.dims().0), &Device::Cpu))
+        .collect()
 }
 
 #[cfg(test)]
@@ -1337,6 +1408,33 @@ mod tests {
             assert!(q != -128);
             assert!((q as f32 * d - v).abs() <= 0.5001 * d, "{v} -> {q} × {d}");
         }
+    }
+
+    #[test]
+    fn shared_input_products_equal_separate_ones() -> Result<()> {
+        // A layer's q/k/v shapes (one with a partial group), several row counts, 1 and 2 threads.
+        let mut rng = StdRng::seed_from_u64(31);
+        let k = 96;
+        let ws: Vec<PackedMatrix> = [
+            (PackedFormat::Q8_0, 80),
+            (PackedFormat::Q4_1, 40),
+            (PackedFormat::Q4_0, 8),
+        ]
+        .into_iter()
+        .map(|(f, n)| random_packed(&mut rng, f, n, k))
+        .collect();
+        let refs: Vec<&PackedMatrix> = ws.iter().collect();
+        for m in [1, 3, 9] {
+            let x = Tensor::from_vec(random_x(&mut rng, m * k), (m, k), &Device::Cpu)?;
+            for threads in [1, 2] {
+                let many = with_threads(threads, || linear_q8_many(&x, &refs))?;
+                for (w, y) in ws.iter().zip(&many) {
+                    let alone = linear_q8(&x, w)?.flatten_all()?.to_vec1::<f32>()?;
+                    assert!(same_bits(&y.flatten_all()?.to_vec1::<f32>()?, &alone), "m {m}");
+                }
+            }
+        }
+        Ok(())
     }
 
     #[test]

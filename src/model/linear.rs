@@ -64,6 +64,36 @@ impl Linear {
                 y.to_dtype(dt)?
             }
         };
+        self.finish(y)
+    }
+
+    /// Several projections of the same input (a layer's q/k/v, or gate/up). With 8-bit activations on the
+    /// CPU the input is quantised once and all the products go to the kernel pool as one job; the
+    /// results are those of calling [`Linear::forward`] on each.
+    pub fn forward_many(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+        let packed: Option<Vec<&PackedMatrix>> = linears
+            .iter()
+            .map(|l| match &l.weight {
+                Weight::Packed(p) => Some(p),
+                _ => None,
+            })
+            .collect();
+        match packed {
+            Some(ws) if x.device().is_cpu() => {
+                let dt = x.dtype();
+                let ys = crate::kernels::linear_q8_many(&x.to_dtype(DType::F32)?, &ws)?;
+                linears
+                    .iter()
+                    .zip(ys)
+                    .map(|(l, y)| l.finish(y.to_dtype(dt)?))
+                    .collect()
+            }
+            _ => linears.iter().map(|l| l.forward(x)).collect(),
+        }
+    }
+
+    /// Bias, then the output permutation.
+    fn finish(&self, y: Tensor) -> Result<Tensor> {
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,

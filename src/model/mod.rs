@@ -212,18 +212,12 @@ impl Transformer {
         let c = &self.config;
         let rows = x.dim(0)?;
         let h = l.attn_norm.forward(x)?;
-        let q = l
-            .q_proj
-            .forward(&h)?
-            .reshape((1, rows, c.num_heads, c.head_dim))?;
-        let k = l
-            .k_proj
-            .forward(&h)?
-            .reshape((1, rows, c.num_kv_heads, c.head_dim))?;
-        let v = l
-            .v_proj
-            .forward(&h)?
-            .reshape((1, rows, c.num_kv_heads, c.head_dim))?;
+        let [q, k, v]: [Tensor; 3] = Linear::forward_many(&[&l.q_proj, &l.k_proj, &l.v_proj], &h)?
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("three projections"))?;
+        let q = q.reshape((1, rows, c.num_heads, c.head_dim))?;
+        let k = k.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
+        let v = v.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
         let q = match &l.q_norm {
             Some(n) => n.forward(&q)?,
             None => q,
@@ -238,7 +232,10 @@ impl Transformer {
         let attn = self.attention(&q, &k_all, &v_all, mask, cache.len())?;
         let x = (x + l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
-        let gated = (candle_nn::ops::silu(&l.gate_proj.forward(&h)?)? * l.up_proj.forward(&h)?)?;
+        let [gate, up]: [Tensor; 2] = Linear::forward_many(&[&l.gate_proj, &l.up_proj], &h)?
+            .try_into()
+            .map_err(|_| anyhow::anyhow!("two projections"))?;
+        let gated = (candle_nn::ops::silu(&gate)? * up)?;
         Ok((x + l.down_proj.forward(&gated)?)?)
     }
 
