@@ -159,6 +159,18 @@ pub fn tried_nodes(tree: &TokenTree, accepted: &[usize]) -> Vec<(usize, bool)> {
         .collect()
 }
 
+/// Acceptance of chain depths 1..=n given the depth above was accepted: depth 1's rate, and each deeper
+/// one shrunk towards the depth above it (`rate(d)`: the counts of depth d, if any). An untried depth
+/// inherits the rate of the one above: a chain that keeps being accepted is drafted longer, and learnt.
+pub fn chain_rates(n: usize, rate: impl Fn(usize) -> Option<Rate>) -> Vec<f64> {
+    let mut out: Vec<f64> = Vec::with_capacity(n);
+    for d in 1..=n {
+        let prior = out.last().copied().unwrap_or(0.5);
+        out.push(rate(d).map_or(prior, |r| r.toward(prior)));
+    }
+    out
+}
+
 /// A learnt acceptance rate: accepted / proposed, each starting from a pseudo-count (the prior).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Rate {
@@ -179,6 +191,12 @@ impl Default for Rate {
 impl Rate {
     pub fn get(&self) -> f64 {
         self.accepted / self.proposed
+    }
+
+    /// The rate with its prior moved from 1/2 to `prior` (same weight): for a chain's deeper nodes, which
+    /// are tried less often, shrunk towards the depth above rather than towards 1/2.
+    pub fn toward(&self, prior: f64) -> f64 {
+        ((self.accepted - 1.0 + 2.0 * prior) / self.proposed).clamp(0.0, 1.0)
     }
 
     pub fn record(&mut self, hit: bool) {
@@ -256,5 +274,25 @@ mod tests {
         assert_eq!(r.get(), 0.75);
         r.record(false);
         assert_eq!(r.proposed, 5.0);
+        // 2 of 3 seen; prior 0.9 instead of 0.5: (2 + 1.8) / 5.
+        assert!((r.toward(0.9) - 0.76).abs() < 1e-12);
+        // Depth 1 always accepted (9 of 10 with the prior), depth 2 untried: it inherits depth 1's rate;
+        // depth 3 seen rejected twice: shrunk towards depth 2's.
+        let seen = |d| match d {
+            1 => Some(Rate {
+                accepted: 9.0,
+                proposed: 10.0,
+            }),
+            3 => Some(Rate {
+                accepted: 1.0,
+                proposed: 4.0,
+            }),
+            _ => None,
+        };
+        let r = chain_rates(4, seen);
+        assert_eq!(r[0], 0.9);
+        assert_eq!(r[1], 0.9);
+        assert!((r[2] - 0.45).abs() < 1e-12);
+        assert_eq!(r[3], r[2]);
     }
 }

@@ -30,7 +30,9 @@
 use super::candidates::dynamic_tree;
 use super::esp::MaskProbes;
 use super::ngram::{distinct_matches, lookup};
-use crate::decode::auto::{best_first, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate};
+use crate::decode::auto::{
+    best_first, chain_rates, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
+};
 use crate::decode::budget::{nodes_within, rows_for, MAX_BC};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
@@ -203,8 +205,27 @@ impl Hybrid {
         self.cfg.nodes.unwrap_or(AUTO_MAX_NODES)
     }
 
+    /// The learnt acceptance of a source's node; a chain depth not tried yet takes the rate of the depth
+    /// above it (with the same match length).
     fn rate(&self, s: Source) -> f64 {
-        self.rates.get(&s).copied().unwrap_or_default().get()
+        let at = |d: usize| match s {
+            Source::Pld { n, later, .. } => Source::Pld {
+                n,
+                later,
+                depth: depth_key(d),
+            },
+            Source::Ext { n, .. } => Source::Ext {
+                n,
+                depth: depth_key(d),
+            },
+            Source::Esp => Source::Esp,
+        };
+        let depth = match s {
+            Source::Pld { depth, .. } | Source::Ext { depth, .. } => usize::from(depth.max(1)),
+            Source::Esp => 1,
+        };
+        let rates = chain_rates(depth, |d| self.rates.get(&at(d)).copied());
+        rates[rates.len() - 1]
     }
 
     fn esp_alpha(&self) -> f64 {

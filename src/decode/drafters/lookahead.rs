@@ -42,7 +42,9 @@
 //! 37 rows.
 
 use super::ngram::{insert_chain, NgramPool};
-use crate::decode::auto::{best_first, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate};
+use crate::decode::auto::{
+    best_first, chain_rates, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
+};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
@@ -146,8 +148,13 @@ impl LookaheadAuto {
         }
     }
 
-    fn rate(&self, key: (u8, u8)) -> f64 {
-        self.rates.get(&key).copied().unwrap_or_default().get()
+    /// Acceptance of a node of candidate rank `rank` at `depth` given its parent was reached (a depth not
+    /// tried yet takes the rate of the depth above).
+    fn rate(&self, (rank, depth): (u8, u8)) -> f64 {
+        let rates = chain_rates(usize::from(depth.max(1)), |d| {
+            self.rates.get(&(rank, d as u8)).copied()
+        });
+        rates[rates.len() - 1]
     }
 
     /// Expected tokens a window of `w` rows brings.

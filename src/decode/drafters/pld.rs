@@ -6,14 +6,15 @@
 //!
 //! Without a fixed `draft_len` (`--bc auto`) the chain's length is chosen every step, from 0 (plain
 //! decoding) to [`AUTO_MAX_DRAFT`]: node d of a chain is reached with the product of the acceptance rates
-//! of depths 1..=d, learnt per match length and depth over the chains verified so far.
+//! of depths 1..=d, learnt per match length and depth over the chains verified so far (a depth not tried
+//! yet takes the rate of the depth above).
 //!
 //! Deviation from the reference script: it takes the *earliest* occurrence; this takes the most recent one,
 //! which follows the text being produced now (a repeated list item, the current sentence of a copied
 //! passage) more closely.
 
 use super::ngram;
-use crate::decode::auto::{prefix_offers, Choice, Chooser, Rate};
+use crate::decode::auto::{chain_rates, prefix_offers, Choice, Chooser, Rate};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
@@ -80,11 +81,6 @@ impl Pld {
 }
 
 impl PldAuto {
-    fn rate(&self, n: u8, depth: usize) -> f64 {
-        let key = (n, depth.min(u8::MAX as usize) as u8);
-        self.rates.get(&key).copied().unwrap_or_default().get()
-    }
-
     /// The chain for this step: the best length for the cost at the current cache length.
     fn draft(&mut self, root: u32, history: &[u32], max_ngram: usize, max_len: usize) -> TokenTree {
         self.last = None;
@@ -92,10 +88,14 @@ impl PldAuto {
             return TokenTree::new(root);
         };
         let n = m.n.min(u8::MAX as usize) as u8;
+        let rates = chain_rates(m.continuation.len(), |d| {
+            self.rates.get(&(n, d.min(u8::MAX as usize) as u8)).copied()
+        });
         let mut reach = 1.0;
-        let scores: Vec<f64> = (1..=m.continuation.len())
-            .map(|d| {
-                reach *= self.rate(n, d);
+        let scores: Vec<f64> = rates
+            .iter()
+            .map(|r| {
+                reach *= r;
                 reach
             })
             .collect();
