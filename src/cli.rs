@@ -5,6 +5,8 @@
 use crate::bench::cost::CostOptions;
 use crate::bench::export::Format;
 use crate::bench::runner::BenchOptions;
+use crate::decode::drafters::lookahead::DEFAULT_WINDOW;
+use crate::decode::drafters::pld::DEFAULT_DRAFT_LEN;
 use crate::decode::generate::GenerateParams;
 use crate::decode::method::{
     Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, MaskInit, Masks, Method, MethodKind, PldConfig,
@@ -164,8 +166,10 @@ pub struct MethodArgs {
     /// Decoding method.
     #[arg(long, value_enum, default_value_t = MethodArg::Esp)]
     pub method: MethodArg,
-    /// Block complexity: tokens per forward pass, masks included, (k+1)(1 + sum K_i); "auto" picks it per
-    /// step from the measured forward cost and the observed acceptance.
+    /// Block complexity of esp and hybrid: tokens per forward pass, masks included, (k+1)(1 + sum K_i).
+    /// "auto" (every method): each step's block is chosen from the forward cost at the current cache
+    /// length and the acceptance seen so far, down to plain decoding; pld's chain length and lookahead's
+    /// window too, unless --draft-len / --lookahead-window fix them.
     #[arg(long, default_value = "auto", value_parser = parse_budget)]
     pub bc: Budget,
     /// Mask tokens per tree node (k).
@@ -184,12 +188,12 @@ pub struct MethodArgs {
     /// pld, hybrid: longest suffix matched against the prompt and output (n = this down to 1).
     #[arg(long, default_value_t = 3)]
     pub ngram: usize,
-    /// pld, hybrid: most tokens drafted from one match.
-    #[arg(long, default_value_t = 10)]
-    pub draft_len: usize,
-    /// lookahead: window W (Jacobi probe rows per step).
-    #[arg(long, default_value_t = 7)]
-    pub lookahead_window: usize,
+    /// pld, hybrid: most tokens drafted from one match [default: chosen per step with --bc auto, else 10].
+    #[arg(long)]
+    pub draft_len: Option<usize>,
+    /// lookahead: window W (Jacobi probe rows per step) [default: chosen per step with --bc auto, else 7].
+    #[arg(long)]
+    pub lookahead_window: Option<usize>,
     /// lookahead: n-gram size N.
     #[arg(long, default_value_t = 5)]
     pub lookahead_ngram: usize,
@@ -206,9 +210,18 @@ impl MethodArgs {
             init: self.mask_init.into(),
             lambda: self.mask_lambda,
         };
-        let lookup = PldConfig {
+        // A size given on the command line is fixed; one left out is chosen per step under --bc auto and
+        // takes its classic default under a fixed --bc.
+        let fixed = |given: Option<usize>, default: usize| {
+            given.or(match self.bc {
+                Budget::Auto => None,
+                Budget::Fixed(_) => Some(default),
+            })
+        };
+        // The hybrid's chains are candidates its node budget chooses among: their length is not a policy.
+        let lookup = |draft_len| PldConfig {
             max_ngram: self.ngram,
-            draft_len: self.draft_len,
+            draft_len,
         };
         match self.method {
             MethodArg::Ar => Method::Ar,
@@ -221,9 +234,9 @@ impl MethodArgs {
                     (None, TreeArg::Dynamic) => EspTree::Dynamic,
                 },
             }),
-            MethodArg::Pld => Method::Pld(lookup),
+            MethodArg::Pld => Method::Pld(lookup(fixed(self.draft_len, DEFAULT_DRAFT_LEN))),
             MethodArg::Lookahead => Method::Lookahead(LookaheadConfig {
-                window: self.lookahead_window,
+                window: fixed(self.lookahead_window, DEFAULT_WINDOW),
                 ngram: self.lookahead_ngram,
                 guesses: self.lookahead_guesses,
                 seed: 0,
@@ -231,7 +244,7 @@ impl MethodArgs {
             MethodArg::Hybrid => Method::Hybrid(HybridSpec {
                 masks,
                 budget: self.bc,
-                lookup,
+                lookup: lookup(self.draft_len),
             }),
         }
     }
@@ -327,8 +340,9 @@ pub struct BenchRunArgs {
     /// Methods to compare; ar is the reference of speedups and of the lossless check.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [MethodArg::Ar, MethodArg::Esp])]
     pub methods: Vec<MethodArg>,
-    /// Block complexities to try for esp and hybrid (one configuration each, times --masks); "auto" for esp.
-    #[arg(long, value_delimiter = ',', default_values = ["30"], value_parser = parse_budget)]
+    /// Block complexities to try for esp and hybrid (one configuration each, times --masks); "auto" chooses
+    /// every step's block (pld and lookahead always choose theirs).
+    #[arg(long, value_delimiter = ',', default_values = ["auto"], value_parser = parse_budget)]
     pub bc: Vec<Budget>,
     /// Mask counts (k) to try for esp and hybrid.
     #[arg(long, value_delimiter = ',', default_values_t = [1])]
@@ -409,6 +423,10 @@ pub struct CostArgs {
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Time the curve --bc auto uses (its own grid of cache lengths and rows) and save it in the cost
+    /// cache (`$PROBESPEC_COST_DIR`, else `cost/` in the model folder), replacing what was there.
+    #[arg(long, conflicts_with_all = ["shape", "rows", "cache", "repeats"])]
+    pub save: bool,
 }
 
 impl CostArgs {
@@ -420,6 +438,7 @@ impl CostArgs {
             cache: self.cache.clone(),
             repeats: self.repeats,
             json: self.json,
+            save: self.save,
         }
     }
 }
@@ -649,11 +668,12 @@ fn run_chat(a: &GenerateArgs) -> Result<()> {
                 out.flush()?;
                 let s = &turn.generation.stats;
                 eprintln!(
-                    "[{}] {} tok | {:.1} tok/s | tau {:.2} | prefill {} tok ({} from cache) {:.2}s",
+                    "[{}] {} tok | {:.1} tok/s | tau {:.2} | {} | prefill {} tok ({} from cache) {:.2}s",
                     s.method,
                     s.new_tokens,
                     s.tokens_per_second,
                     s.tau,
+                    crate::decode::stats::blocks_line(&s.block_histogram),
                     s.prefill_tokens,
                     turn.reused_tokens,
                     s.prefill_seconds

@@ -1,6 +1,7 @@
 //! A loaded model ready to answer: device and dtype selection, model and tokenizer loading, and the prompt
 //! through the chat template. What the CLI, the benchmark, the tests and the benches start from.
 
+use crate::decode::cost_cache::{self, CurveKey, CurveStore};
 use crate::decode::generate::{generate, GenerateParams, Generation};
 use crate::decode::method::Method;
 use crate::model::load::{load_model, Activations, LoadOptions, ModelSource};
@@ -78,6 +79,9 @@ pub struct Session {
     pub tokenizer: TextTokenizer,
     /// What was loaded, for humans and run records.
     pub description: String,
+    /// Where the model's forward cost curve (`--bc auto`) is kept on disk; attached to the model, so its
+    /// first auto step reads it (or measures and writes it).
+    pub cost_store: CurveStore,
 }
 
 impl Session {
@@ -94,10 +98,27 @@ impl Session {
                 activations: opts.activations,
             },
         )?;
+        let model_id = match &source {
+            ModelSource::HfDir(p) | ModelSource::Gguf(p) => p.display().to_string(),
+            ModelSource::Hub(id) => id.clone(),
+        };
+        let activations = match (opts.dequantize, opts.activations) {
+            (true, _) => "dequantized",
+            (false, Activations::Q8) => "q8",
+            (false, Activations::F32) => "f32",
+        };
+        let cost_store = CurveStore::new(CurveKey::new(
+            &model_id,
+            opts.device.name(),
+            &format!("{dtype:?}").to_lowercase(),
+            activations,
+        ));
+        cost_cache::attach(&loaded.model, cost_store.clone());
         Ok(Session {
             model: loaded.model,
             tokenizer: loaded.tokenizer,
             description: loaded.description,
+            cost_store,
         })
     }
 

@@ -562,3 +562,61 @@ fn errors_stay_one_line_with_rust_backtrace() {
     let err = backtrace_run(Some("1")).stderr;
     assert!(has_frames(&err), "RUST_LIB_BACKTRACE=1 shows no backtrace: {err}");
 }
+
+/// The cost curve of `--bc auto` is kept on disk: `cost --save` writes it, a run reads it without timing
+/// it again (the file is unchanged), and a corrupt file is timed again and replaced, never an error.
+#[test]
+fn the_cost_curve_is_saved_reused_and_replaced_when_corrupt() {
+    let d = tiny_dir();
+    let m = d.path().to_str().unwrap();
+    let cache = tempfile::tempdir().unwrap();
+    let with_cache = |args: &[&str]| {
+        let mut cmd = command(args);
+        cmd.env("PROBESPEC_COST_DIR", cache.path());
+        run(&mut cmd, None)
+    };
+    let files = || -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(cache.path())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect()
+    };
+    let r = with_cache(&["cost", "--model", m, "--save", "--json"]);
+    assert!(r.status.success(), "{}", r.stderr);
+    let v: serde_json::Value = serde_json::from_str(r.stdout.trim()).unwrap();
+    let saved = files();
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    assert_eq!(v["path"].as_str().unwrap(), saved[0].to_str().unwrap());
+    assert_eq!(v["curve"]["rows"][0], 1);
+    let text = std::fs::read_to_string(&saved[0]).unwrap();
+    // Every method under --bc auto reads the saved curve: the file stays as it was.
+    for method in ["esp", "pld", "lookahead", "hybrid"] {
+        let r = with_cache(&[
+            "--model",
+            m,
+            "--method",
+            method,
+            "--max-new-tokens",
+            "8",
+            "w5 w6 w5 w6",
+        ]);
+        assert!(r.status.success(), "{method}: {}", r.stderr);
+        assert!(
+            r.stderr.contains("plain "),
+            "{method}: the stats line names the plain share: {}",
+            r.stderr
+        );
+        assert_eq!(std::fs::read_to_string(&saved[0]).unwrap(), text, "{method}");
+    }
+    // A corrupt file is timed again and replaced.
+    std::fs::write(&saved[0], "{ half a curve").unwrap();
+    let r = with_cache(&["--model", m, "--max-new-tokens", "4", "w5 w6"]);
+    assert!(r.status.success(), "{}", r.stderr);
+    let again: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved[0]).unwrap()).unwrap();
+    assert_eq!(again["curve"]["rows"][0], 1);
+    assert_eq!(files().len(), 1, "no temporary file is left behind");
+    // --save keeps a model's curve: a random shape has none.
+    let r = with_cache(&["cost", "--shape", "smollm2-135m", "--save"]);
+    assert!(!r.status.success());
+}

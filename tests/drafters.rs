@@ -5,7 +5,9 @@
 
 mod common;
 
-use common::decoding::{check_all, esp, greedy, hybrid, lookahead, pld, prompts, tau};
+use common::decoding::{
+    check_all, esp, greedy, hybrid, hybrid_auto, lookahead, lookahead_auto, pld, pld_auto, prompts, tau,
+};
 use common::TinySpec;
 use probespec::cli::{MethodArg, MethodArgs};
 use probespec::decode::method::{
@@ -79,7 +81,7 @@ fn method_flags_parse_and_bad_values_fail() {
             t.m.lookahead_ngram,
             t.m.lookahead_guesses
         ),
-        (MethodArg::Lookahead, 4, 3, 1)
+        (MethodArg::Lookahead, Some(4), 3, 1)
     );
     assert_eq!(t.m.method(), lookahead(4, 3, 1));
     // The flags' defaults, and the library's: the same.
@@ -92,7 +94,7 @@ fn method_flags_parse_and_bad_values_fail() {
             d.lookahead_ngram,
             d.lookahead_guesses
         ),
-        (3, 10, 7, 5, 7)
+        (3, None, None, 5, 7)
     );
     assert_eq!(d.method(), Method::default());
     assert_eq!(
@@ -104,8 +106,32 @@ fn method_flags_parse_and_bad_values_fail() {
         Method::Lookahead(LookaheadConfig::default())
     );
     let t = T::parse_from(["t", "--method", "pld", "--ngram", "2", "--draft-len", "5"]);
-    assert_eq!((t.m.method, t.m.ngram, t.m.draft_len), (MethodArg::Pld, 2, 5));
+    assert_eq!(
+        (t.m.method, t.m.ngram, t.m.draft_len),
+        (MethodArg::Pld, 2, Some(5))
+    );
     assert_eq!(t.m.method(), pld(2, 5));
+    // Left out, the chain length and the window are chosen per step under --bc auto (the default) and
+    // take their classic values under a fixed --bc.
+    assert_eq!(T::parse_from(["t", "--method", "pld"]).m.method(), pld_auto(3));
+    assert_eq!(
+        T::parse_from(["t", "--method", "pld", "--bc", "30"]).m.method(),
+        pld(3, 10)
+    );
+    assert_eq!(
+        T::parse_from(["t", "--method", "lookahead"]).m.method(),
+        lookahead_auto(5, 7)
+    );
+    assert_eq!(
+        T::parse_from(["t", "--method", "lookahead", "--bc", "30"])
+            .m
+            .method(),
+        lookahead(7, 5, 7)
+    );
+    assert_eq!(
+        T::parse_from(["t", "--method", "hybrid"]).m.method(),
+        hybrid_auto(1)
+    );
     let t = T::parse_from(["t", "--method", "hybrid", "--bc", "60", "--masks", "2"]);
     assert_eq!(
         (t.m.method, t.m.bc, t.m.masks),
@@ -141,11 +167,86 @@ fn method_flags_parse_and_bad_values_fail() {
             budget: Budget::Fixed(30),
             lookup: PldConfig {
                 max_ngram: 3,
-                draft_len: 1025,
+                draft_len: Some(1025),
             },
         }),
     ] {
         assert!(bad.validate().is_err(), "{bad:?} should be rejected");
         assert!(bad.drafter(0).is_err(), "{bad:?} should be rejected");
+    }
+}
+
+/// `--bc auto` for every method: with a flat cost curve (rows nearly free, as on a GPU) every method sends
+/// blocks of more than one row on most steps; with a steep one (every row costs as much as a whole
+/// one-row step) it decodes plainly but for its exploring steps. Either way the output is plain
+/// decoding's. The curves are injected: nothing is timed.
+#[test]
+fn auto_builds_trees_when_the_curve_is_flat_and_decodes_plainly_when_it_is_steep() {
+    use probespec::decode::cost::CostCurve;
+    use probespec::decode::cost_cache::inject;
+    use probespec::decode::stats::blocks_line;
+    // A tiny model and a prompt whose greedy answer repeats itself (one token, over and over): prompt
+    // lookup and the n-gram pool find a draft on nearly every step.
+    let (_d, model) = common::load_tiny(&TinySpec {
+        seed: 2,
+        ..TinySpec::llama()
+    });
+    let prompt: Vec<u32> = [18u32, 42, 99, 7, 150, 63]
+        .iter()
+        .copied()
+        .cycle()
+        .take(30)
+        .collect();
+    let params = greedy(64, vec![]);
+    let want = common::decoding::run(&model, &prompt, &Method::Ar, &params);
+    let fixed = common::decoding::run(&model, &prompt, &pld(3, 10), &params);
+    assert!(
+        fixed.stats.plain_share <= 0.2,
+        "the answer is no longer repetitive (pld finds no draft on {:.0}% of the steps): pick another prompt",
+        100.0 * fixed.stats.plain_share
+    );
+    let methods = [
+        common::decoding::esp_auto(1),
+        pld_auto(3),
+        lookahead_auto(5, 7),
+        hybrid_auto(1),
+    ];
+    let flat = CostCurve::from_fn(|_, rows| 1e-2 * (1.0 + 1e-3 * rows as f64), 1e-5);
+    let steep = CostCurve::from_fn(|_, rows| 1e-2 * rows as f64, 1e-3);
+    for (curve, is_flat) in [(flat, true), (steep, false)] {
+        inject(&model, curve);
+        for m in &methods {
+            let g = common::decoding::run(&model, &prompt, m, &params);
+            assert_eq!(g.tokens, want.tokens, "{m:?}");
+            let s = &g.stats;
+            eprintln!(
+                "{} {}: tau {:.2}, {}",
+                if is_flat { "flat" } else { "steep" },
+                s.method,
+                s.tau,
+                blocks_line(&s.block_histogram)
+            );
+            let steps: usize = s.block_histogram.iter().sum();
+            assert_eq!(steps, s.model_calls);
+            if is_flat {
+                assert!(
+                    s.plain_share <= 0.2,
+                    "{}: a flat curve must build blocks: {}",
+                    s.method,
+                    blocks_line(&s.block_histogram)
+                );
+                assert!(s.tau > 1.0, "{}: tau {}", s.method, s.tau);
+            } else {
+                assert!(
+                    s.plain_share >= 0.8,
+                    "{}: a steep curve must decode plainly: {}",
+                    s.method,
+                    blocks_line(&s.block_histogram)
+                );
+                // The steps that are not plain are the explorations: small blocks.
+                let big: usize = s.block_histogram.iter().skip(4).sum();
+                assert_eq!(big, 0, "{}: {}", s.method, blocks_line(&s.block_histogram));
+            }
+        }
     }
 }

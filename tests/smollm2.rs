@@ -130,3 +130,41 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     // means a bug in the mask offsets, attention pattern or cache compaction.
     assert!(tau > 1.12, "tau {tau:.3} is too low for ESP on SmolLM2");
 }
+
+/// Every method under `--bc auto` (the default) on the real model: token-identical to plain decoding. The
+/// cost curve is timed once and kept in a temporary folder, never in the user's cache.
+#[test]
+fn every_method_with_bc_auto_is_lossless() {
+    use common::decoding::{esp_auto, hybrid_auto, lookahead_auto, pld_auto};
+    use probespec::decode::cost_cache::{attach, CurveStore};
+    use probespec::decode::stats::blocks_line;
+    let m = smollm2();
+    let dir = tempfile::tempdir().unwrap();
+    attach(&m.model, CurveStore::in_dir(dir.path(), m.cost_store.key.clone()));
+    let params = GenerateParams {
+        max_new_tokens: 48,
+        sampling: Default::default(),
+        stop_tokens: m.stop_tokens(),
+    };
+    let methods = [esp_auto(1), pld_auto(3), lookahead_auto(5, 7), hybrid_auto(1)];
+    let mut histograms = vec![Vec::<usize>::new(); methods.len()];
+    for (cat, text) in specbench_prompts(1) {
+        let ids = m.encode_prompt(&text, None, true).unwrap();
+        let want = m.generate(&ids, &Method::Ar, &params, &mut |_| Ok(())).unwrap();
+        for (method, hist) in methods.iter().zip(&mut histograms) {
+            let got = m.generate(&ids, method, &params, &mut |_| Ok(())).unwrap();
+            assert_eq!(got.tokens, want.tokens, "mismatch ({cat}), {method:?}");
+            let h = &got.stats.block_histogram;
+            hist.resize(hist.len().max(h.len()), 0);
+            hist.iter_mut().zip(h).for_each(|(a, b)| *a += b);
+        }
+    }
+    for (method, hist) in methods.iter().zip(&histograms) {
+        eprintln!("{}: {}", method.kind(), blocks_line(hist));
+    }
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        1,
+        "the curve is saved once"
+    );
+}

@@ -5,10 +5,13 @@
 //! times exactly that step for a checkpoint (`--model`) or for random weights of a published shape
 //! (`--shape llama3-8b`: the cost depends on shapes, not values), on any device and dtype, and prints
 //! the median of `--repeats` runs per point and the ratio to one row.
+//!
+//! `--save` times the curve `--bc auto` prices blocks with (its own grid) and writes it to the cost cache,
+//! replacing what was there.
 
-use crate::decode::drafters::auto_bc::time_step;
+use crate::decode::cost::{median, time_grid, CostCurve};
 use crate::model::synthetic::{random_model, shape_config};
-use crate::model::{BlockMask, KvCache, Transformer};
+use crate::model::Transformer;
 use crate::session::{ModelOptions, Session};
 use anyhow::{bail, Result};
 use std::time::Instant;
@@ -27,6 +30,8 @@ pub struct CostOptions {
     pub repeats: usize,
     /// One JSON object instead of the table.
     pub json: bool,
+    /// Time `--bc auto`'s curve and save it in the cost cache.
+    pub save: bool,
 }
 
 /// One timed point of the curve.
@@ -41,6 +46,9 @@ pub struct CostPoint {
 }
 
 pub fn run(a: &CostOptions) -> Result<()> {
+    if a.save {
+        return save(a);
+    }
     if a.rows.is_empty() || a.rows.contains(&0) {
         bail!("--rows must list block sizes of at least 1");
     }
@@ -102,6 +110,44 @@ pub fn run(a: &CostOptions) -> Result<()> {
     Ok(())
 }
 
+/// `probespec cost --save`: measures the model's `--bc auto` curve and writes it to the cost cache.
+fn save(a: &CostOptions) -> Result<()> {
+    if a.shape.is_some() {
+        bail!("--save keeps the curve of a model file: it cannot be used with --shape");
+    }
+    let s = Session::load(&a.model)?;
+    let t = Instant::now();
+    let curve = CostCurve::measure(&s.model)?;
+    let secs = t.elapsed().as_secs_f64();
+    s.cost_store.save(&curve)?;
+    let mut text = String::new();
+    if a.json {
+        let v = serde_json::json!({ "model": s.description, "path": s.cost_store.path,
+                                    "seconds": secs, "curve": curve });
+        text.push_str(&format!("{v}\n"));
+    } else {
+        text.push_str(&format!(
+            "{}: --bc auto's cost curve timed in {secs:.1} s, saved to {}\n",
+            s.description,
+            s.cost_store.path.display()
+        ));
+        text.push_str(&format!(
+            "{:>7} {:>5} {:>11} {:>12}\n",
+            "cache", "rows", "ms", "cost/cost(1)"
+        ));
+        for (c, line) in curve.contexts.iter().zip(&curve.seconds) {
+            for (r, t) in curve.rows.iter().zip(line) {
+                text.push_str(&format!(
+                    "{c:>7} {r:>5} {:>11.3} {:>12.2}\n",
+                    t * 1e3,
+                    t / line[0]
+                ));
+            }
+        }
+    }
+    super::write_stdout(&text)
+}
+
 /// Times a decoding step of each block size after each cache size (rows interleaved within a repeat,
 /// so that drifts of the machine spread over all sizes).
 pub fn cost_curve(
@@ -110,25 +156,9 @@ pub fn cost_curve(
     rows: &[usize],
     repeats: usize,
 ) -> Result<Vec<CostPoint>> {
-    let vocab = model.config.vocab_size as u64;
-    // Arbitrary valid token ids (a fixed linear congruential sequence).
-    let ids: Vec<u32> = (0..caches.iter().max().unwrap() + rows.iter().max().unwrap())
-        .map(|i| ((i as u64 * 2_654_435_761 + 12_345) % vocab) as u32)
-        .collect();
+    let samples = time_grid(model, caches, rows, repeats)?;
     let mut points = Vec::new();
-    for &ctx in caches {
-        let mut cache = model.new_cache(ctx + rows.iter().max().unwrap())?;
-        prefill(model, &ids[..ctx], &mut cache)?;
-        // Warm-up: first touch of weights and buffers, kernel selection on GPUs.
-        for &r in rows {
-            time_step(model, &ids[ctx..ctx + r], &mut cache)?;
-        }
-        let mut times: Vec<Vec<f64>> = vec![Vec::new(); rows.len()];
-        for _ in 0..repeats {
-            for (i, &r) in rows.iter().enumerate() {
-                times[i].push(time_step(model, &ids[ctx..ctx + r], &mut cache)?);
-            }
-        }
+    for (&ctx, mut times) in caches.iter().zip(samples) {
         let medians: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();
         let one = rows
             .iter()
@@ -146,22 +176,4 @@ pub fn cost_curve(
         }
     }
     Ok(points)
-}
-
-fn prefill(model: &Transformer, ids: &[u32], cache: &mut KvCache) -> Result<()> {
-    for (i, chunk) in ids.chunks(256).enumerate() {
-        let pos: Vec<u32> = (0..chunk.len()).map(|j| (i * 256 + j) as u32).collect();
-        model.forward(&model.embed(chunk)?, &pos, &BlockMask::Causal, cache)?;
-    }
-    Ok(())
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n % 2 == 1 {
-        v[n / 2]
-    } else {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    }
 }

@@ -118,6 +118,7 @@ mod tests {
             accept_lengths: accept,
             text: Some(format!("answer {q}.{turn}")),
             text_tokens: Some(3),
+            block_histogram: Vec::new(),
         }
     }
 

@@ -55,6 +55,10 @@ pub struct Record {
     /// adds one): what Spec-Bench's `speed.py` counts, minus one, for the baseline's tokens.
     #[serde(default)]
     pub text_tokens: Option<usize>,
+    /// block_histogram[r] = decoding calls whose block had r rows: what `--bc auto` chose (absent in
+    /// older records).
+    #[serde(default)]
+    pub block_histogram: Vec<usize>,
 }
 
 impl Record {
@@ -311,6 +315,7 @@ mod tests {
             accept_lengths: vec![1],
             text: None,
             text_tokens: None,
+            block_histogram: vec![0, 1],
         }
     }
 

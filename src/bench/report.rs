@@ -10,6 +10,8 @@
 //!   `speed.py` run on `bench export`'s files prints the same number. `speedup_generated` counts the
 //!   baseline's generated tokens instead (the two differ by the stop token and the "- 1").
 //! - lossless: every configuration's tokens against `ar`'s, per question and turn.
+//! - blocks: the rows per decoding call each configuration sent (what `--bc auto` chose), pooled over
+//!   its records, and the share of plain one-row calls.
 //!
 //! Everything here is a pure function of the records and run.json, so `bench report` re-renders exactly
 //! what the run printed.
@@ -17,6 +19,7 @@
 use super::questions::{group_title, sort_groups};
 use super::records::{keep_complete, Record, RunInfo};
 use crate::decode::method::{Budget, MethodKind};
+use crate::decode::stats::{blocks_line, plain_share};
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
 
@@ -54,6 +57,10 @@ pub struct ConfigSummary {
     pub masks: Option<usize>,
     /// Per group, `overall` included.
     pub groups: BTreeMap<String, GroupStats>,
+    /// block_histogram[r] = decoding calls with r rows, over every record (empty for older records).
+    pub block_histogram: Vec<usize>,
+    /// Share of those calls that decoded plainly (one row).
+    pub plain_share: Option<f64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -239,12 +246,23 @@ pub fn compute(records: Vec<Record>) -> Report {
                 .count();
             stats.insert(g.to_string(), s);
         }
+        let mut block_histogram: Vec<usize> = Vec::new();
+        for r in records.iter().filter(|r| &r.config == c) {
+            if block_histogram.len() < r.block_histogram.len() {
+                block_histogram.resize(r.block_histogram.len(), 0);
+            }
+            for (total, n) in block_histogram.iter_mut().zip(&r.block_histogram) {
+                *total += n;
+            }
+        }
         configs.push(ConfigSummary {
             config: c.clone(),
             method: first.method,
             bc: first.bc,
             masks: first.masks,
             groups: stats,
+            plain_share: plain_share(&block_histogram),
+            block_histogram,
         });
     }
     let questions = records
@@ -334,6 +352,17 @@ pub fn render_table(run: &RunInfo, report: &Report) -> String {
         });
         out.push_str(&format!("| {} |\n", row.join(" | ")));
     }
+    let blocks: Vec<&ConfigSummary> = report
+        .configs
+        .iter()
+        .filter(|c| c.method != MethodKind::Ar && c.plain_share.is_some())
+        .collect();
+    if !blocks.is_empty() {
+        out.push_str("\nBlocks sent (rows per model call, all questions):\n");
+        for c in blocks {
+            out.push_str(&format!("- {}: {}\n", c.config, blocks_line(&c.block_histogram)));
+        }
+    }
     if report.reference.is_none() {
         out.push_str("\nNo `ar` records: speedups and the lossless check need the ar configuration.\n");
     } else if !report.mismatches.is_empty() {
@@ -407,7 +436,22 @@ mod tests {
             accept_lengths: Vec::new(),
             text: None,
             text_tokens: None,
+            block_histogram: Vec::new(),
         }
+    }
+
+    #[test]
+    fn block_histograms_are_pooled_per_configuration() {
+        let t = vec![1, 2, 3];
+        let mut a = rec(1, "qa", 1, 1, "esp-bcauto-k1", 3, 2, 1.0, t.clone());
+        a.block_histogram = vec![0, 2, 1];
+        let mut b = rec(2, "qa", 1, 1, "esp-bcauto-k1", 3, 4, 1.0, t.clone());
+        b.block_histogram = vec![0, 1, 0, 0, 3];
+        let old = rec(1, "qa", 1, 1, "ar", 3, 2, 1.0, t);
+        let r = compute(vec![old, a, b]);
+        assert_eq!(r.configs[0].plain_share, None, "older records have no histogram");
+        assert_eq!(r.configs[1].block_histogram, vec![0, 3, 1, 0, 3]);
+        assert_eq!(r.configs[1].plain_share, Some(3.0 / 7.0));
     }
 
     #[test]

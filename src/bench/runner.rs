@@ -194,6 +194,7 @@ impl Engine<'_> {
                 tokens: g.tokens,
                 finish_reason: g.finish_reason,
                 accept_lengths: g.stats.accept_lengths,
+                block_histogram: g.stats.block_histogram,
                 text: Some(answer),
                 text_tokens: Some(text_tokens),
             })?;

@@ -9,8 +9,8 @@ use super::drafters::esp::{Esp, EspConfig, TreeShape};
 use super::drafters::hybrid::{Hybrid, HybridConfig};
 use super::drafters::lookahead::Lookahead;
 pub use super::drafters::lookahead::LookaheadConfig;
-use super::drafters::pld::Pld;
 pub use super::drafters::pld::PldConfig;
+use super::drafters::pld::{Pld, DEFAULT_DRAFT_LEN};
 use super::generate::Drafter;
 use anyhow::{anyhow, bail, Result};
 use serde::{Deserialize, Serialize};
@@ -186,7 +186,7 @@ impl Default for Method {
     }
 }
 
-/// Where `--bc auto` has no per-step policy yet, it means the paper's middle setting.
+/// ESP's static tree has no per-step policy: with `--bc auto` it takes the paper's middle setting.
 const BC_WITHOUT_AUTO_POLICY: usize = 30;
 
 impl Method {
@@ -252,11 +252,15 @@ impl Method {
             Method::Hybrid(h) => {
                 // The masks are checked first: a wrong k would make the budget's error misleading.
                 h.masks.validate()?;
-                let mut c =
-                    HybridConfig::new(h.masks.count, nodes(fixed_or_default(h.budget), h.masks.count)?);
+                h.lookup.validate()?;
+                let nodes = match h.budget {
+                    Budget::Auto => None,
+                    Budget::Fixed(bc) => Some(nodes(bc, h.masks.count)?),
+                };
+                let mut c = HybridConfig::new(h.masks.count, nodes);
                 c.masks = h.masks;
                 c.max_ngram = h.lookup.max_ngram;
-                c.draft_len = h.lookup.draft_len;
+                c.draft_len = h.lookup.draft_len.unwrap_or(DEFAULT_DRAFT_LEN);
                 c.seed = seed;
                 Box::new(Hybrid::new(c)?)
             }

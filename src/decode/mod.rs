@@ -1,7 +1,11 @@
 //! Decoding strategies: the block and tree types (plain data, no tensors), the verifier, the generate loop,
-//! sampling, statistics, and one module per drafter.
+//! sampling, statistics, `--bc auto` (the cost curve, its disk cache, the per-step block chooser), and one
+//! module per drafter.
 
+pub mod auto;
 pub mod budget;
+pub mod cost;
+pub mod cost_cache;
 pub mod drafters;
 pub mod generate;
 pub mod layout;

@@ -1,5 +1,6 @@
-//! Decoding statistics: model calls, tokens committed per call (tau), a histogram of it, and where the
-//! time went (forward pass, drafting, verification, bookkeeping).
+//! Decoding statistics: model calls, tokens committed per call (tau), a histogram of it, the block sizes
+//! sent (what `--bc auto` chose: a histogram of rows per step and the share of plain one-row steps), and
+//! where the time went (forward pass, drafting, verification, bookkeeping).
 
 use super::method::MethodKind;
 use serde::Serialize;
@@ -24,6 +25,10 @@ pub struct DecodeStats {
     /// Tree nodes and block rows (nodes + probes) summed over steps, for mean block sizes.
     pub tree_nodes: usize,
     pub block_rows: usize,
+    /// block_histogram[r] = steps whose block had r rows (probes included).
+    pub block_histogram: Vec<usize>,
+    /// Share of the steps that decoded plainly (a block of one row).
+    pub plain_share: f64,
     pub forward_seconds: f64,
     pub draft_seconds: f64,
     pub verify_seconds: f64,
@@ -47,6 +52,8 @@ impl DecodeStats {
             accept_lengths: Vec::new(),
             tree_nodes: 0,
             block_rows: 0,
+            block_histogram: Vec::new(),
+            plain_share: 0.0,
             forward_seconds: 0.0,
             draft_seconds: 0.0,
             verify_seconds: 0.0,
@@ -59,6 +66,10 @@ impl DecodeStats {
         self.model_calls += 1;
         self.tree_nodes += nodes;
         self.block_rows += rows;
+        if self.block_histogram.len() <= rows {
+            self.block_histogram.resize(rows + 1, 0);
+        }
+        self.block_histogram[rows] += 1;
         self.bump(committed, 1);
         self.accept_lengths.push(committed);
         self.last_step = Some(committed);
@@ -99,6 +110,7 @@ impl DecodeStats {
         } else {
             self.committed_by_calls() as f64 / self.model_calls as f64
         };
+        self.plain_share = plain_share(&self.block_histogram).unwrap_or(0.0);
         self.tokens_per_second = if self.decode_seconds > 0.0 {
             self.committed_by_calls() as f64 / self.decode_seconds
         } else {
@@ -120,7 +132,7 @@ impl DecodeStats {
     /// The one-line summary printed on stderr.
     pub fn summary_line(&self, prompt_tokens: usize) -> String {
         format!(
-            "[{}] prompt {} tok, {} new tok | prefill {:.2}s | decode {:.2} tok/s | {} model calls, tau {:.3} | overhead {:.1}%",
+            "[{}] prompt {} tok, {} new tok | prefill {:.2}s | decode {:.2} tok/s | {} model calls, tau {:.3} | {} | overhead {:.1}%",
             self.method,
             prompt_tokens,
             self.new_tokens,
@@ -128,7 +140,59 @@ impl DecodeStats {
             self.tokens_per_second,
             self.model_calls,
             self.tau,
+            blocks_line(&self.block_histogram),
             100.0 * self.overhead_fraction()
         )
+    }
+}
+
+/// Share of the steps of a block histogram that had one row; `None` without steps.
+pub fn plain_share(histogram: &[usize]) -> Option<f64> {
+    let steps: usize = histogram.iter().sum();
+    (steps > 0).then(|| histogram.get(1).copied().unwrap_or(0) as f64 / steps as f64)
+}
+
+/// "plain 62%, rows 2-4 13%, 5-8 25%": the share of plain steps, then of the other steps by block size
+/// in powers of two; "no steps" without any.
+pub fn blocks_line(histogram: &[usize]) -> String {
+    let steps: usize = histogram.iter().sum();
+    let Some(plain) = plain_share(histogram) else {
+        return "no steps".into();
+    };
+    let pct = |n: usize| 100.0 * n as f64 / steps as f64;
+    let mut parts = vec![format!("plain {:.0}%", 100.0 * plain)];
+    let (mut lo, mut hi) = (2usize, 4usize);
+    while lo < histogram.len() {
+        let n: usize = histogram[lo..(hi + 1).min(histogram.len())].iter().sum();
+        if n > 0 {
+            let label = if parts.len() == 1 { "rows " } else { "" };
+            parts.push(format!("{label}{lo}-{hi} {:.0}%", pct(n)));
+        }
+        (lo, hi) = (hi + 1, 2 * hi);
+    }
+    parts.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn block_sizes_are_counted_and_summarised() {
+        let mut s = DecodeStats::new(MethodKind::Esp);
+        for rows in [1, 1, 1, 1, 1, 2, 6, 6, 30, 1] {
+            s.record_step(1, rows, rows);
+        }
+        s.finish();
+        assert_eq!(s.block_histogram[1], 6);
+        assert_eq!(s.block_histogram[6], 2);
+        assert_eq!(s.plain_share, 0.6);
+        assert_eq!(
+            blocks_line(&s.block_histogram),
+            "plain 60%, rows 2-4 10%, 5-8 20%, 17-32 10%"
+        );
+        assert!(s.summary_line(5).contains("plain 60%"), "{}", s.summary_line(5));
+        assert_eq!(blocks_line(&[]), "no steps");
+        assert_eq!(plain_share(&[0, 0, 3]), Some(0.0));
     }
 }

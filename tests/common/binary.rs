@@ -3,16 +3,22 @@
 use std::io::Write;
 use std::process::{Command, ExitStatus, Stdio};
 
-/// The binary with `args`, stdin closed, and `PROBESPEC_MODEL_DIR` pointing nowhere, so that no test reads
-/// the user's default model by accident (tests of the default model pass `--model`). Add environment
+/// The binary with `args`, stdin closed, `PROBESPEC_MODEL_DIR` pointing nowhere, so that no test reads
+/// the user's default model by accident (tests of the default model pass `--model`), and
+/// [`NO_COST_CACHE`] as the cost cache, so that no test writes a cost curve anywhere. Add environment
 /// variables on the returned command, then [`run`] it.
 pub fn command(args: &[&str]) -> Command {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_probespec"));
     cmd.args(args)
         .env("PROBESPEC_MODEL_DIR", "/nonexistent-probespec-model-dir")
+        .env("PROBESPEC_COST_DIR", NO_COST_CACHE)
         .stdin(Stdio::null());
     cmd
 }
+
+/// A cost-cache folder that cannot be created, even by root (a path under a device file): `--bc auto`
+/// times its curve in every process and keeps it nowhere.
+pub const NO_COST_CACHE: &str = "/dev/null/probespec-no-cost-cache";
 
 /// What a run of the binary did.
 #[derive(Debug)]

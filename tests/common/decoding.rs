@@ -87,13 +87,36 @@ pub fn esp_auto(k: usize) -> Method {
     })
 }
 
+/// Prompt lookup with a fixed chain length.
 pub fn pld(max_ngram: usize, draft_len: usize) -> Method {
-    Method::Pld(PldConfig { max_ngram, draft_len })
+    Method::Pld(PldConfig {
+        max_ngram,
+        draft_len: Some(draft_len),
+    })
 }
 
+/// Prompt lookup with `--bc auto`: the chain length chosen per step.
+pub fn pld_auto(max_ngram: usize) -> Method {
+    Method::Pld(PldConfig {
+        max_ngram,
+        draft_len: None,
+    })
+}
+
+/// Lookahead with a fixed window.
 pub fn lookahead(window: usize, ngram: usize, guesses: usize) -> Method {
     Method::Lookahead(LookaheadConfig {
-        window,
+        window: Some(window),
+        ngram,
+        guesses,
+        seed: 0,
+    })
+}
+
+/// Lookahead with `--bc auto`: the window and the verification nodes chosen per step.
+pub fn lookahead_auto(ngram: usize, guesses: usize) -> Method {
+    Method::Lookahead(LookaheadConfig {
+        window: None,
         ngram,
         guesses,
         seed: 0,
@@ -105,6 +128,15 @@ pub fn hybrid(bc: usize, k: usize) -> Method {
     Method::Hybrid(HybridSpec {
         masks: masks(k),
         budget: Budget::Fixed(bc),
+        lookup: PldConfig::default(),
+    })
+}
+
+/// Hybrid with `k` masks and `--bc auto`: the node count chosen per step.
+pub fn hybrid_auto(k: usize) -> Method {
+    Method::Hybrid(HybridSpec {
+        masks: masks(k),
+        budget: Budget::Auto,
         lookup: PldConfig::default(),
     })
 }
@@ -129,7 +161,14 @@ pub fn esp_configs() -> Vec<Method> {
 }
 
 pub fn pld_configs() -> Vec<Method> {
-    vec![pld(3, 10), pld(1, 10), pld(2, 5), pld(3, 1), pld(4, 16)]
+    vec![
+        pld(3, 10),
+        pld(1, 10),
+        pld(2, 5),
+        pld(3, 1),
+        pld(4, 16),
+        pld_auto(3),
+    ]
 }
 
 /// Spec-Bench's setting, the paper's three BC-matched settings, and degenerate ones.
@@ -140,14 +179,19 @@ pub fn lookahead_configs() -> Vec<Method> {
         lookahead(5, 4, 5),
         lookahead(8, 5, 7),
         lookahead(1, 2, 1),
+        lookahead_auto(5, 7),
+        lookahead_auto(3, 2),
     ]
 }
 
 pub fn hybrid_configs() -> Vec<Method> {
-    [(10, 1), (30, 1), (60, 1), (30, 2), (60, 2), (12, 3)]
+    let mut v: Vec<Method> = [(10, 1), (30, 1), (60, 1), (30, 2), (60, 2), (12, 3)]
         .into_iter()
         .map(|(bc, k)| hybrid(bc, k))
-        .collect()
+        .collect();
+    v.push(hybrid_auto(1));
+    v.push(hybrid_auto(2));
+    v
 }
 
 /// The configurations of the drafters other than ESP: prompt lookup, lookahead, hybrid.

@@ -2,8 +2,10 @@
 //! appended to every tree node; mask j of a node sits j positions after it, so its logits guess the token
 //! j + 1 places after that node. The masks of the deepest accepted node seed the next step's tree.
 
-use super::auto_bc::{self, AutoBudget, CostCurve};
 use super::candidates::{dynamic_tree, static_tree, Candidates};
+use crate::decode::auto::{Choice, Chooser, Offer};
+use crate::decode::budget::rows_for;
+use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
 use crate::decode::layout::{esp_probes, Probe};
 use crate::decode::method::{Masks, MethodKind};
@@ -41,8 +43,8 @@ impl MaskInit {
 pub enum TreeShape {
     /// ESP Algorithm 1: best-first by cumulative probability within `budget` nodes (sum K_i).
     Dynamic { budget: usize },
-    /// `--bc auto`: a dynamic tree whose budget is chosen every step from the measured forward cost and
-    /// the observed acceptance (see `auto_bc`), plain decoding when no tree pays.
+    /// `--bc auto`: a dynamic tree whose budget is chosen every step from the forward cost at the current
+    /// cache length and the observed acceptance (see [`RankHistogram`]), plain decoding when no tree pays.
     Auto,
     /// K_i candidates at depth i, only the top-1 node of each depth expanded.
     Static { branches: Vec<usize> },
@@ -53,7 +55,7 @@ impl TreeShape {
         match self {
             TreeShape::Dynamic { budget } => *budget,
             TreeShape::Static { branches } => branches.iter().sum(),
-            TreeShape::Auto => auto_bc::MAX_RANK,
+            TreeShape::Auto => MAX_RANK,
         }
     }
 }
@@ -213,10 +215,68 @@ impl MaskProbes {
     }
 }
 
+/// Node budgets `--bc auto` considers (k = 1: BC 4, 6, 8, 10, 14, 20, 30, 40, 60).
+const BUDGETS: [usize; 9] = [1, 2, 3, 4, 6, 9, 14, 19, 29];
+/// Ranks tracked exactly; a rank at or beyond this counts as "never in the tree".
+pub const MAX_RANK: usize = 32;
+/// Weight of the prior, in observations.
+const PRIOR_WEIGHT: f64 = 16.0;
+
+/// ESP's acceptance for `--bc auto`: the rank, among the depth-1 candidates of the previous step's mask,
+/// of the token actually committed next. A dynamic tree of `B` nodes accepts its first level when that
+/// rank is below `B`, so the histogram prices every budget at once, whichever was in use when observed.
+#[derive(Debug, Clone)]
+pub struct RankHistogram {
+    /// ranks[r] = observations of rank r; ranks[MAX_RANK] = not among the candidates.
+    ranks: Vec<u64>,
+}
+
+impl Default for RankHistogram {
+    fn default() -> Self {
+        RankHistogram {
+            ranks: vec![0; MAX_RANK + 1],
+        }
+    }
+}
+
+impl RankHistogram {
+    pub fn observe(&mut self, rank: Option<usize>) {
+        self.ranks[rank.unwrap_or(MAX_RANK).min(MAX_RANK)] += 1;
+    }
+
+    /// Chance that a tree of `budget` depth-1 candidates holds the next token: the observed ranks, shrunk
+    /// towards a prior fitted to SmolLM2's mask 1 (top-4 holds it 15% of the time, top-14 27%).
+    pub fn accept_probability(&self, budget: usize) -> f64 {
+        let prior = (0.093 * (1.0 + budget as f64).ln()).min(0.9);
+        let seen: u64 = self.ranks.iter().sum();
+        let hits: u64 = self.ranks[..budget.min(MAX_RANK)].iter().sum();
+        (prior * PRIOR_WEIGHT + hits as f64) / (PRIOR_WEIGHT + seen as f64)
+    }
+
+    /// The offers of [`BUDGETS`] that fit in `max_rows` with k masks per node: rows and 1 + the chance the
+    /// first level is accepted (deeper levels are left out: a lower bound).
+    fn offers(&self, k: usize, max_rows: usize) -> Vec<Offer> {
+        BUDGETS
+            .iter()
+            .map(|&b| Offer {
+                rows: rows_for(k, b),
+                tokens: 1.0 + self.accept_probability(b),
+            })
+            .take_while(|o| o.rows <= max_rows)
+            .collect()
+    }
+}
+
+/// `--bc auto`'s state: the chooser and the observed ranks.
+struct EspAuto {
+    chooser: Chooser,
+    ranks: RankHistogram,
+}
+
 pub struct Esp {
     tree: TreeShape,
     masks: MaskProbes,
-    auto: Option<AutoBudget>,
+    auto: Option<EspAuto>,
     /// Root of the current step: the depth-1 candidates were ranked without it (parent-equal pruning).
     root: u32,
 }
@@ -258,14 +318,18 @@ impl Drafter for Esp {
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
         let k = self.masks.begin(model, prompt)?;
         if self.tree == TreeShape::Auto {
-            self.auto = Some(AutoBudget::new(CostCurve::for_model(model, prompt)?, k));
+            self.auto = Some(EspAuto {
+                chooser: Chooser::new(curve_for(model)?),
+                ranks: RankHistogram::default(),
+            });
         }
         Ok(k)
     }
 
     // Room is the loop's concern: a draft that does not fit is replaced there by the root alone.
-    fn draft(&mut self, root: u32, _history: &[u32], _max_rows: usize) -> Draft {
+    fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
         self.root = root;
+        let k = self.masks.count();
         // Without candidates (after a plain step, or at the context edge) the tree builders return the
         // root alone, whose masks probe for the next step.
         let dists = self.masks.dists();
@@ -274,16 +338,18 @@ impl Drafter for Esp {
             TreeShape::Static { branches } => static_tree(root, dists, branches),
             TreeShape::Auto => {
                 let auto = self.auto.as_mut().expect("begin() sets up --bc auto");
-                match auto.choose() {
-                    Some(budget) => dynamic_tree(root, dists, budget),
-                    // Plain decoding, with a probe every few steps to keep measuring acceptance.
-                    None if auto.explore() => TokenTree::new(root),
-                    None => return Draft::root_only(root),
+                // The cache holds the history but the root.
+                let offers = auto.ranks.offers(k, max_rows);
+                match auto.chooser.choose(history.len() - 1, &offers) {
+                    Choice::Offer(i) => dynamic_tree(root, dists, BUDGETS[i]),
+                    // The root's masks alone: they observe acceptance for the next step.
+                    Choice::Explore => TokenTree::new(root),
+                    Choice::Plain => return Draft::root_only(root),
                 }
             }
         };
         Draft {
-            probes: esp_probes(tree.len(), self.masks.count()),
+            probes: esp_probes(tree.len(), k),
             tree,
         }
     }
@@ -302,9 +368,45 @@ impl Drafter for Esp {
                 .iter()
                 .filter(|c| c.0 != self.root)
                 .position(|c| c.0 == next);
-            auto.observe_rank(rank);
+            auto.ranks.observe(rank);
         }
         let n = self.candidates_needed();
         self.masks.observe(model, step, n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::cost::CostCurve;
+    use std::sync::Arc;
+
+    fn choice(curve: CostCurve, ranks: &RankHistogram) -> Choice {
+        Chooser::new(Arc::new(curve)).choose(100, &ranks.offers(1, 1000))
+    }
+
+    #[test]
+    fn auto_budget_follows_the_cost_and_the_ranks() {
+        let fresh = RankHistogram::default();
+        // A GPU-like curve: 32 rows cost barely more than one: a large tree.
+        let flat = choice(CostCurve::from_fn(|_, r| 1.0 + 1e-3 * r as f64, 0.0), &fresh);
+        assert!(matches!(flat, Choice::Offer(i) if BUDGETS[i] >= 14), "{flat:?}");
+        // Every row costs as much as the first: no tree pays.
+        let linear = || CostCurve::from_fn(|_, r| r as f64, 0.0);
+        assert_eq!(choice(linear(), &fresh), Choice::Plain);
+        // Moderate growth: once the next token is always the top candidate a 1-node tree is best; when
+        // it never is, plain decoding wins.
+        let moderate =
+            || CostCurve::from_fn(|_, r| 1.0 + 0.1 * (r as f64).sqrt() * (r > 1) as u8 as f64, 0.0);
+        let mut good = RankHistogram::default();
+        let mut bad = RankHistogram::default();
+        for _ in 0..200 {
+            good.observe(Some(0));
+            bad.observe(None);
+        }
+        assert_eq!(choice(moderate(), &good), Choice::Offer(0));
+        assert_eq!(choice(moderate(), &bad), Choice::Plain);
+        // Budgets that do not fit the room are not offered.
+        assert_eq!(fresh.offers(1, 9).len(), 3);
     }
 }

@@ -19,14 +19,23 @@
 //!   The learnt rates start from `1/2` (one accepted, one rejected pseudo-count) and are counted over the
 //!   nodes whose parent the verifier reached, so they measure exactly the conditional acceptance.
 //!
+//! Under `--bc auto` (no fixed node budget) the same scores also size the tree: a node's score is the
+//! chance the verifier reaches it, so keeping the best m nodes is expected to commit 1 + the sum of their
+//! scores, and m is chosen every step (0: plain decoding) by tokens per second at the current cache length,
+//! up to [`AUTO_MAX_NODES`]. How the budget splits between the sources follows from their learnt rates.
+//!
 //! The draft depends only on the history and on the probes' logits, never on the step's own random draws:
 //! sample matching in the shared verifier keeps it exact under sampling.
 
 use super::candidates::dynamic_tree;
 use super::esp::MaskProbes;
 use super::ngram::{distinct_matches, lookup};
-use crate::decode::budget::{nodes_within, MAX_BC};
+use crate::decode::auto::{
+    best_first, chain_rates, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
+};
+use crate::decode::budget::{nodes_within, rows_for, MAX_BC};
 use crate::decode::check_flag;
+use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
 use crate::decode::layout::{esp_probes, Probe};
 use crate::decode::method::{Masks, MethodKind};
@@ -36,11 +45,14 @@ use anyhow::{bail, Result};
 use candle_core::Tensor;
 use std::collections::HashMap;
 
+/// Most draft nodes `--bc auto` considers (BC 60 with one mask).
+pub const AUTO_MAX_NODES: usize = 29;
+
 #[derive(Debug, Clone)]
 pub struct HybridConfig {
     pub masks: Masks,
-    /// Draft nodes per step (sum K_i = BC / (k + 1) - 1).
-    pub nodes: usize,
+    /// Draft nodes per step (sum K_i = BC / (k + 1) - 1); `None`: chosen per step (`--bc auto`).
+    pub nodes: Option<usize>,
     /// Largest suffix length prompt lookup matches.
     pub max_ngram: usize,
     /// Longest prompt-lookup chain.
@@ -54,8 +66,9 @@ pub struct HybridConfig {
 }
 
 impl HybridConfig {
-    /// The defaults for a node budget and k: 3-gram lookup, chains of up to 10 tokens.
-    pub fn new(k: usize, nodes: usize) -> Self {
+    /// The defaults for a node budget (`None`: `--bc auto`) and k: 3-gram lookup, chains of up to 10
+    /// tokens.
+    pub fn new(k: usize, nodes: Option<usize>) -> Self {
         HybridConfig {
             masks: Masks {
                 count: k,
@@ -102,28 +115,6 @@ struct NodeInfo {
     esp_p: Option<f64>,
 }
 
-/// Accepted / proposed counts (with their pseudo-counts).
-#[derive(Clone, Copy, Debug)]
-struct Rate {
-    accepted: f64,
-    proposed: f64,
-}
-
-impl Default for Rate {
-    fn default() -> Self {
-        Rate {
-            accepted: 1.0,
-            proposed: 2.0,
-        }
-    }
-}
-
-impl Rate {
-    fn get(&self) -> f64 {
-        self.accepted / self.proposed
-    }
-}
-
 /// The candidate trie of one step, before selection.
 struct CandidateTrie {
     tree: TokenTree,
@@ -157,36 +148,21 @@ impl CandidateTrie {
         n
     }
 
-    /// The `budget` best nodes as a tree (best first), with their infos.
-    fn select(self, budget: usize) -> (TokenTree, Vec<NodeInfo>) {
+    /// The `budget` best nodes as a tree (best first: every prefix of its nodes is a tree), with their
+    /// infos and scores (the root's is 1).
+    fn select(self, budget: usize) -> (TokenTree, Vec<NodeInfo>, Vec<f64>) {
         let t = &self.tree;
         let mut score = vec![1.0f64; t.len()];
         for n in 1..t.len() {
             score[n] = score[t.parent(n).unwrap()] * (1.0 - self.miss[n]);
         }
-        let mut order: Vec<usize> = (1..t.len()).collect();
-        order.sort_by(|&a, &b| {
-            score[b]
-                .total_cmp(&score[a])
-                .then(t.depth(a).cmp(&t.depth(b)))
-                .then(a.cmp(&b))
-        });
+        let mut order = best_first(t, &score);
         order.truncate(budget);
-        let mut out = TokenTree::with_capacity(t.token(0), 1 + order.len());
-        let mut infos = vec![NodeInfo::default()];
-        let mut map = vec![usize::MAX; t.len()];
-        map[0] = 0;
+        let (out, from) = subtree(t, &order);
         let mut info = self.info;
-        for &n in &order {
-            let p = map[t.parent(n).unwrap()];
-            debug_assert!(p != usize::MAX, "a node was selected before its parent");
-            if p == usize::MAX {
-                continue;
-            }
-            map[n] = out.push(p, t.token(n));
-            infos.push(std::mem::take(&mut info[n]));
-        }
-        (out, infos)
+        let infos = from.iter().map(|&n| std::mem::take(&mut info[n])).collect();
+        let scores = from.iter().map(|&n| score[n]).collect();
+        (out, infos, scores)
     }
 }
 
@@ -199,16 +175,17 @@ pub struct Hybrid {
     /// ESP calibration: accepted ESP nodes and their summed mask probability (pseudo-counts 1, 1).
     esp_accepted: f64,
     esp_mass: f64,
+    /// `--bc auto`'s chooser of the node count.
+    auto: Option<Chooser>,
 }
 
 impl Hybrid {
     pub fn new(cfg: HybridConfig) -> Result<Self> {
         let masks = MaskProbes::new(cfg.masks, cfg.seed)?;
-        if !(1..=MAX_BC).contains(&cfg.nodes) {
-            bail!(
-                "the hybrid needs a node budget in 1..={MAX_BC} (got {})",
-                cfg.nodes
-            );
+        if let Some(nodes) = cfg.nodes {
+            if !(1..=MAX_BC).contains(&nodes) {
+                bail!("the hybrid needs a node budget in 1..={MAX_BC} (got {nodes})");
+            }
         }
         check_flag("--ngram", cfg.max_ngram, 1)?;
         check_flag("--draft-len", cfg.draft_len, 1)?;
@@ -219,11 +196,36 @@ impl Hybrid {
             rates: HashMap::new(),
             esp_accepted: 1.0,
             esp_mass: 1.0,
+            auto: None,
         })
     }
 
+    /// Most nodes a step may have.
+    fn max_nodes(&self) -> usize {
+        self.cfg.nodes.unwrap_or(AUTO_MAX_NODES)
+    }
+
+    /// The learnt acceptance of a source's node; a chain depth not tried yet takes the rate of the depth
+    /// above it (with the same match length).
     fn rate(&self, s: Source) -> f64 {
-        self.rates.get(&s).copied().unwrap_or_default().get()
+        let at = |d: usize| match s {
+            Source::Pld { n, later, .. } => Source::Pld {
+                n,
+                later,
+                depth: depth_key(d),
+            },
+            Source::Ext { n, .. } => Source::Ext {
+                n,
+                depth: depth_key(d),
+            },
+            Source::Esp => Source::Esp,
+        };
+        let depth = match s {
+            Source::Pld { depth, .. } | Source::Ext { depth, .. } => usize::from(depth.max(1)),
+            Source::Esp => 1,
+        };
+        let rates = chain_rates(depth, |d| self.rates.get(&at(d)).copied());
+        rates[rates.len() - 1]
     }
 
     fn esp_alpha(&self) -> f64 {
@@ -231,7 +233,12 @@ impl Hybrid {
     }
 
     /// Every source into one candidate trie, the best `budget` nodes kept.
-    fn draft_scored(&self, root: u32, history: &[u32], budget: usize) -> (TokenTree, Vec<NodeInfo>) {
+    fn draft_scored(
+        &self,
+        root: u32,
+        history: &[u32],
+        budget: usize,
+    ) -> (TokenTree, Vec<NodeInfo>, Vec<f64>) {
         let mut c = CandidateTrie::new(root);
         // ESP: its dynamic tree (twice the budget: a node other sources support may lift its subtree).
         let alpha = self.esp_alpha();
@@ -291,24 +298,13 @@ impl Hybrid {
 
     /// Counts, for every node whose parent the verifier reached, whether it was accepted.
     fn learn(&mut self, tree: &TokenTree, infos: &[NodeInfo], accepted: &[usize]) {
-        let mut reached = vec![false; tree.len()];
-        reached[0] = true;
-        for &a in accepted {
-            reached[a] = true;
-        }
-        for n in 1..tree.len() {
-            if !reached[tree.parent(n).unwrap()] {
-                continue;
-            }
-            let hit = reached[n];
+        for (n, hit) in tried_nodes(tree, accepted) {
             for &tag in &infos[n].tags {
                 if tag == Source::Esp {
                     self.esp_mass += infos[n].esp_p.unwrap_or(0.0);
                     self.esp_accepted += f64::from(u8::from(hit));
                 } else {
-                    let r = self.rates.entry(tag).or_default();
-                    r.proposed += 1.0;
-                    r.accepted += f64::from(u8::from(hit));
+                    self.rates.entry(tag).or_default().record(hit);
                 }
             }
         }
@@ -325,17 +321,38 @@ impl Drafter for Hybrid {
         self.rates.clear();
         self.esp_accepted = 1.0;
         self.esp_mass = 1.0;
+        self.auto = match self.cfg.nodes {
+            Some(_) => None,
+            None => Some(Chooser::new(curve_for(model)?)),
+        };
         self.masks.begin(model, prompt)
     }
 
     fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
         let k = self.masks.count();
-        let budget = self.cfg.nodes.min(nodes_within(max_rows, k));
+        self.last = None;
         if max_rows < k + 1 {
-            self.last = None;
             return Draft::root_only(root);
         }
-        let (tree, infos) = self.draft_scored(root, history, budget);
+        let budget = self.max_nodes().min(nodes_within(max_rows, k));
+        let (mut tree, mut infos, scores) = self.draft_scored(root, history, budget);
+        if let Some(chooser) = &mut self.auto {
+            // Offer m is the best m nodes. The root's masks alone (m = 0) never beat plain decoding, but
+            // they are there to explore: after plain steps ESP has no candidates to offer.
+            let mut offers = vec![Offer {
+                rows: rows_for(k, 0),
+                tokens: 1.0,
+            }];
+            offers.extend(prefix_offers(&scores[1..], |m| rows_for(k, m)));
+            let m = match chooser.choose(history.len() - 1, &offers) {
+                Choice::Plain => return Draft::root_only(root),
+                Choice::Explore => 0,
+                Choice::Offer(m) => m,
+            };
+            let keep: Vec<usize> = (1..=m).collect();
+            tree = subtree(&tree, &keep).0;
+            infos.truncate(m + 1);
+        }
         let probes = esp_probes(tree.len(), k);
         self.last = Some((tree.clone(), infos));
         Draft { tree, probes }
@@ -352,7 +369,7 @@ impl Drafter for Hybrid {
                 self.learn(&tree, &infos, step.accepted);
             }
         }
-        let n = 2 * self.cfg.nodes + 2;
+        let n = 2 * self.max_nodes() + 2;
         self.masks.observe(model, step, n)
     }
 }
@@ -367,7 +384,7 @@ mod tests {
     }
 
     fn hybrid(nodes: usize) -> Hybrid {
-        Hybrid::new(HybridConfig::new(1, nodes)).unwrap()
+        Hybrid::new(HybridConfig::new(1, Some(nodes))).unwrap()
     }
 
     #[test]
@@ -378,7 +395,7 @@ mod tests {
         h.masks
             .set_dists(vec![cands(&[(40, 0.6), (41, 0.3), (42, 0.05)])]);
         // Fresh rates (1/2) for PLD: chain 1 (0.5), 2 (0.25), 3 (0.125); ESP alpha 1: 40 (0.6), 41 (0.3).
-        let (t, infos) = h.draft_scored(6, &history, 3);
+        let (t, infos, _) = h.draft_scored(6, &history, 3);
         assert_eq!(t.tokens(), &[6, 40, 1, 41]);
         assert_eq!(
             infos[2].tags,
@@ -403,11 +420,11 @@ mod tests {
                 },
             );
         }
-        let (t, _) = h.draft_scored(6, &history, 3);
+        let (t, _, _) = h.draft_scored(6, &history, 3);
         assert_eq!(t.tokens(), &[6, 1, 2, 3]);
         // A node proposed by two sources scores 1 - (1 - p1)(1 - p2).
         h.masks.set_dists(vec![cands(&[(1, 0.5)])]);
-        let (t, infos) = h.draft_scored(6, &history, 1);
+        let (t, infos, _) = h.draft_scored(6, &history, 1);
         assert_eq!(t.tokens(), &[6, 1]);
         assert_eq!(infos[1].tags.len(), 2);
     }
@@ -419,7 +436,7 @@ mod tests {
         // After root 6, ESP proposes 1; "6 1" was followed by "2 3" earlier.
         let history = [6, 1, 2, 3, 8, 6];
         h.masks.set_dists(vec![cands(&[(1, 0.9)])]);
-        let (t, infos) = h.draft_scored(6, &history, 4);
+        let (t, infos, _) = h.draft_scored(6, &history, 4);
         assert_eq!(t.tokens(), &[6, 1, 2, 3, 8]);
         assert_eq!(infos[2].tags, vec![Source::Ext { n: 2, depth: 1 }]);
     }

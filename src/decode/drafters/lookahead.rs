@@ -29,13 +29,24 @@
 //! - The window slides by the committed length, keeping guesses aligned with absolute positions (LADE keeps
 //!   its window in place relative to the end of the sequence).
 //!
+//! **`--bc auto`** (no fixed window): every step the window W (0, 1, 2, 4, 8 or 16 rows) and the number of
+//! verification nodes are chosen together, by expected tokens per second: a node counts with its reach
+//! probability (acceptance learnt per candidate rank and depth, given the parent was reached), a window
+//! row with the tokens accepted so far from n-grams that rows at its offset made, per row fed. W = 0 with
+//! no nodes is plain decoding. (The window's count is optimistic: those tokens also need nodes, which are
+//! priced separately; it only decides whether rows that pay later are worth renting now.)
+//!
 //! Block complexity (rows per forward, as ESP counts them): at most `1 + W + G (N-1)`; the defaults
 //! (W, N, G) = (7, 5, 7) give at most 36. LADE's own count is `(N-1)(W+G)`: the paper matches LADE to BC
 //! 10/30/60 with (N, W, G) = (3, 4, 1), (4, 5, 5), (5, 8, 7); here those settings cost at most 7, 21 and
 //! 37 rows.
 
 use super::ngram::{insert_chain, NgramPool};
+use crate::decode::auto::{
+    best_first, chain_rates, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
+};
 use crate::decode::check_flag;
+use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
 use crate::decode::layout::Probe;
 use crate::decode::method::MethodKind;
@@ -46,12 +57,20 @@ use anyhow::Result;
 use candle_core::Tensor;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
+
+/// Windows `--bc auto` considers (0: none).
+const AUTO_WINDOWS: [usize; 6] = [0, 1, 2, 4, 8, 16];
+/// The window fed at prefill under `--bc auto` (and the fixed window's default).
+pub const DEFAULT_WINDOW: usize = 7;
+/// Prior of a window row's worth, in tokens accepted later per row fed, and its weight in rows.
+const WINDOW_PRIOR: f64 = 0.05;
+const WINDOW_PRIOR_ROWS: f64 = 16.0;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LookaheadConfig {
-    /// W: lookahead window (probe rows per step).
-    pub window: usize,
+    /// W: lookahead window (probe rows per step); `None`: chosen per step (`--bc auto`).
+    pub window: Option<usize>,
     /// N: n-gram size (a verification candidate is N-1 draft tokens).
     pub ngram: usize,
     /// G: most verification candidates per step (also the pool's capacity per first token).
@@ -61,10 +80,11 @@ pub struct LookaheadConfig {
 }
 
 impl Default for LookaheadConfig {
-    /// Spec-Bench's lookahead setting: W = 7, N = 5, G = 7.
+    /// Spec-Bench's lookahead setting, N = 5, G = 7, with the window chosen per step (W = 7 in
+    /// Spec-Bench).
     fn default() -> Self {
         LookaheadConfig {
-            window: 7,
+            window: None,
             ngram: 5,
             guesses: 7,
             seed: 0,
@@ -75,7 +95,91 @@ impl Default for LookaheadConfig {
 impl LookaheadConfig {
     /// Most rows per forward pass: root, window, G chains of N-1 tokens.
     pub fn block_complexity(&self) -> usize {
-        1 + self.window + self.guesses * (self.ngram - 1)
+        1 + self.max_window() + self.guesses * (self.ngram - 1)
+    }
+
+    /// The fixed window, or the largest `--bc auto` considers.
+    pub fn max_window(&self) -> usize {
+        self.window.unwrap_or(AUTO_WINDOWS[AUTO_WINDOWS.len() - 1])
+    }
+}
+
+/// Which of [`AUTO_WINDOWS`]' steps a window row at `offset` (1-based) belongs to.
+fn window_bucket(offset: usize) -> usize {
+    AUTO_WINDOWS[1..]
+        .iter()
+        .position(|&w| offset <= w)
+        .unwrap_or(AUTO_WINDOWS.len() - 2)
+}
+
+/// A verification trie with, per node (the root's entries unused), its rate key (candidate rank, depth)
+/// and the tag of the n-gram that brought it (0: the prompt, j: window row j).
+struct Verification {
+    tree: TokenTree,
+    keys: Vec<(u8, u8)>,
+    tags: Vec<u8>,
+}
+
+/// What `--bc auto` learns and remembers.
+struct LookaheadAuto {
+    chooser: Chooser,
+    /// Acceptance of a verification node given its parent was reached, by (candidate rank, depth).
+    rates: HashMap<(u8, u8), Rate>,
+    /// Per window bucket: tokens accepted from the n-grams its rows made (`accepted`) over its rows fed
+    /// (`proposed`).
+    window_worth: Vec<Rate>,
+    /// The last tree sent, to learn from its verification.
+    last: Option<Verification>,
+}
+
+impl LookaheadAuto {
+    fn new(chooser: Chooser) -> Self {
+        LookaheadAuto {
+            chooser,
+            rates: HashMap::new(),
+            window_worth: vec![
+                Rate {
+                    accepted: WINDOW_PRIOR * WINDOW_PRIOR_ROWS,
+                    proposed: WINDOW_PRIOR_ROWS,
+                };
+                AUTO_WINDOWS.len() - 1
+            ],
+            last: None,
+        }
+    }
+
+    /// Acceptance of a node of candidate rank `rank` at `depth` given its parent was reached (a depth not
+    /// tried yet takes the rate of the depth above).
+    fn rate(&self, (rank, depth): (u8, u8)) -> f64 {
+        let rates = chain_rates(usize::from(depth.max(1)), |d| {
+            self.rates.get(&(rank, d as u8)).copied()
+        });
+        rates[rates.len() - 1]
+    }
+
+    /// Expected tokens a window of `w` rows brings.
+    fn window_tokens(&self, w: usize) -> f64 {
+        (1..=w).map(|j| self.window_worth[window_bucket(j)].get()).sum()
+    }
+
+    /// Learns from the verified step: node acceptance, and the window rows' worth.
+    fn learn(&mut self, step: &Step, window: usize) {
+        if step.replaced {
+            self.last = None;
+            return;
+        }
+        for j in 1..=window {
+            self.window_worth[window_bucket(j)].proposed += 1.0;
+        }
+        let Some(sent) = self.last.take() else {
+            return;
+        };
+        for (n, hit) in tried_nodes(&sent.tree, step.accepted) {
+            self.rates.entry(sent.keys[n]).or_default().record(hit);
+            if hit && sent.tags[n] > 0 {
+                self.window_worth[window_bucket(usize::from(sent.tags[n]))].accepted += 1.0;
+            }
+        }
     }
 }
 
@@ -96,6 +200,7 @@ impl Level {
 
 pub struct Lookahead {
     cfg: LookaheadConfig,
+    auto: Option<LookaheadAuto>,
     pool: NgramPool,
     /// Jacobi guesses by absolute position (the latest outputs of the window).
     guesses: Level,
@@ -111,11 +216,14 @@ pub struct Lookahead {
 
 impl Lookahead {
     pub fn new(cfg: LookaheadConfig) -> Result<Self> {
-        check_flag("--lookahead-window", cfg.window, 1)?;
+        if let Some(w) = cfg.window {
+            check_flag("--lookahead-window", w, 1)?;
+        }
         check_flag("--lookahead-ngram", cfg.ngram, 2)?;
         check_flag("--lookahead-guesses", cfg.guesses, 1)?;
         Ok(Lookahead {
             cfg,
+            auto: None,
             pool: NgramPool::new(cfg.ngram, cfg.guesses),
             guesses: Level::default(),
             fed: Level::default(),
@@ -158,31 +266,94 @@ impl Lookahead {
                     None => continue 'q,
                 }
             }
-            self.pool.insert(&gram);
+            // Tagged with the window row whose output ends the gram.
+            self.pool
+                .insert_tagged(&gram, (i + 1).min(usize::from(u8::MAX)) as u8);
         }
     }
-}
 
-impl Drafter for Lookahead {
-    fn name(&self) -> MethodKind {
-        MethodKind::Lookahead
+    /// The verification trie of up to G pool candidates for `root`, at most `max_nodes` nodes, with each
+    /// node's rate key (candidate rank, depth) and n-gram tag.
+    fn candidates(&self, root: u32, max_nodes: usize) -> Verification {
+        let mut tree = TokenTree::with_capacity(root, 1 + max_nodes);
+        let (mut keys, mut tags) = (vec![(0, 0)], vec![0]);
+        for (rank, (cont, tag)) in self.pool.get_tagged(root).take(self.cfg.guesses).enumerate() {
+            let before = tree.len();
+            let room = max_nodes.saturating_sub(before - 1);
+            for (i, node) in insert_chain(&mut tree, 0, cont, room).into_iter().enumerate() {
+                if node >= before {
+                    keys.push((rank.min(3) as u8, (i + 1).min(usize::from(u8::MAX)) as u8));
+                    tags.push(tag);
+                }
+            }
+        }
+        Verification { tree, keys, tags }
     }
 
-    fn begin(&mut self, _: &Transformer, prompt: &[u32]) -> Result<usize> {
-        self.pool = NgramPool::new(self.cfg.ngram, self.cfg.guesses);
-        self.pool.insert_all(prompt);
-        self.fill = prompt.to_vec();
-        self.rng = StdRng::seed_from_u64(self.cfg.seed);
-        self.guesses = Level::default();
-        self.levels.clear();
-        // The prefill's root is the last prompt token.
-        self.fed = self.window_for(prompt.len() - 1, self.cfg.window);
-        Ok(self.cfg.window)
+    /// `--bc auto`'s step: the window and the verification nodes that maximise expected tokens per
+    /// second at this cache length; returns the tree and the window's rows.
+    fn draft_auto(&mut self, root: u32, history: &[u32], max_rows: usize) -> (TokenTree, usize) {
+        let room = max_rows.saturating_sub(1);
+        let max_nodes = (self.cfg.guesses * (self.cfg.ngram - 1)).min(room);
+        let Verification {
+            tree: full,
+            keys,
+            tags,
+        } = self.candidates(root, max_nodes);
+        let auto = self.auto.as_mut().expect("begin() sets up --bc auto");
+        let mut score = vec![1.0; full.len()];
+        for n in 1..full.len() {
+            score[n] = score[full.parent(n).unwrap_or(0)] * auto.rate(keys[n]);
+        }
+        let order = best_first(&full, &score);
+        let ranked: Vec<f64> = order.iter().map(|&n| score[n]).collect();
+        // Every (window, nodes) pair that fits, but (0, 0): plain decoding.
+        let (mut offers, mut shapes) = (Vec::new(), Vec::new());
+        for w in AUTO_WINDOWS.into_iter().filter(|&w| w <= room) {
+            let worth = auto.window_tokens(w);
+            if w > 0 {
+                offers.push(Offer {
+                    rows: 1 + w,
+                    tokens: 1.0 + worth,
+                });
+                shapes.push((w, 0));
+            }
+            let most = (room - w).min(ranked.len());
+            for (m, o) in prefix_offers(&ranked[..most], |m| 1 + w + m)
+                .into_iter()
+                .enumerate()
+            {
+                offers.push(Offer {
+                    tokens: o.tokens + worth,
+                    ..o
+                });
+                shapes.push((w, m + 1));
+            }
+        }
+        let (w, m) = match auto.chooser.choose(history.len() - 1, &offers) {
+            Choice::Plain => (0, 0),
+            // One window row and the best node: acceptance and window rows keep being observed.
+            Choice::Explore => (1.min(room), ranked.len().min(1).min(room.saturating_sub(1))),
+            Choice::Offer(i) => shapes[i],
+        };
+        let (tree, from) = subtree(&full, &order[..m]);
+        let keys = from.iter().map(|&n| keys[n]).collect();
+        let tags = from.iter().map(|&n| tags[n]).collect();
+        auto.last = Some(Verification {
+            tree: tree.clone(),
+            keys,
+            tags,
+        });
+        (tree, w)
     }
 
-    fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
-        let root_pos = history.len() - 1;
-        let w = self.cfg.window.min(max_rows.saturating_sub(1));
+    /// A fixed window's step: the window, and the pool's candidates in the rows left.
+    fn draft_fixed(&self, root: u32, max_rows: usize) -> (TokenTree, usize) {
+        let w = self
+            .cfg
+            .window
+            .unwrap_or(DEFAULT_WINDOW)
+            .min(max_rows.saturating_sub(1));
         let nodes = 1 + self.cfg.guesses * (self.cfg.ngram - 1);
         let mut tree = TokenTree::with_capacity(root, nodes.min(max_rows.max(1)));
         let mut room = max_rows.saturating_sub(1 + w);
@@ -191,6 +362,39 @@ impl Drafter for Lookahead {
             insert_chain(&mut tree, 0, cont, room);
             room -= tree.len() - before;
         }
+        (tree, w)
+    }
+}
+
+impl Drafter for Lookahead {
+    fn name(&self) -> MethodKind {
+        MethodKind::Lookahead
+    }
+
+    fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
+        self.pool = NgramPool::new(self.cfg.ngram, self.cfg.guesses);
+        self.pool.insert_all(prompt);
+        self.fill = prompt.to_vec();
+        self.rng = StdRng::seed_from_u64(self.cfg.seed);
+        self.guesses = Level::default();
+        self.levels.clear();
+        self.auto = match self.cfg.window {
+            Some(_) => None,
+            None => Some(LookaheadAuto::new(Chooser::new(curve_for(model)?))),
+        };
+        // The prefill's root is the last prompt token.
+        let w = self.cfg.window.unwrap_or(DEFAULT_WINDOW);
+        self.fed = self.window_for(prompt.len() - 1, w);
+        Ok(w)
+    }
+
+    fn draft(&mut self, root: u32, history: &[u32], max_rows: usize) -> Draft {
+        let root_pos = history.len() - 1;
+        let (tree, w) = if self.auto.is_some() {
+            self.draft_auto(root, history, max_rows)
+        } else {
+            self.draft_fixed(root, max_rows)
+        };
         self.fed = self.window_for(root_pos, w);
         let probes = (1..=w).map(|offset| Probe { owner: 0, offset }).collect();
         Draft { tree, probes }
@@ -207,6 +411,9 @@ impl Drafter for Lookahead {
 
     fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         let fed = std::mem::take(&mut self.fed);
+        if let Some(auto) = &mut self.auto {
+            auto.learn(step, fed.tokens.len());
+        }
         let probe_logits = step.probe_logits;
         // The loop verified the root alone (no room left), or there was no window: nothing was learnt.
         if step.replaced || probe_logits.is_empty() || probe_logits.len() != fed.tokens.len() {
@@ -233,7 +440,7 @@ mod tests {
 
     fn lookahead(w: usize, n: usize, g: usize) -> Lookahead {
         let mut la = Lookahead::new(LookaheadConfig {
-            window: w,
+            window: Some(w),
             ngram: n,
             guesses: g,
             seed: 1,
@@ -245,10 +452,19 @@ mod tests {
 
     #[test]
     fn config_checks_and_block_complexity() {
-        assert_eq!(LookaheadConfig::default().block_complexity(), 36);
+        assert_eq!(LookaheadConfig::default().block_complexity(), 45);
+        let spec_bench = LookaheadConfig {
+            window: Some(7),
+            ..LookaheadConfig::default()
+        };
+        assert_eq!(spec_bench.block_complexity(), 36);
+        assert_eq!(
+            (1..=17).map(window_bucket).collect::<Vec<_>>(),
+            [0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, 4, 4, 4, 4]
+        );
         for (w, n, g) in [(0, 5, 7), (7, 1, 7), (7, 5, 0)] {
             assert!(Lookahead::new(LookaheadConfig {
-                window: w,
+                window: Some(w),
                 ngram: n,
                 guesses: g,
                 seed: 0

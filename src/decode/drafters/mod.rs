@@ -4,8 +4,6 @@
 
 /// Plain decoding: the root alone.
 pub mod ar;
-/// `--bc auto`: the forward cost curve and the per-step budget.
-pub mod auto_bc;
 /// ESP's tree builders from the masks' candidate distributions.
 pub mod candidates;
 /// Embedding-Space Probing: the mask tokens and their tree.

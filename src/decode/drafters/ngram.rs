@@ -77,13 +77,14 @@ pub fn distinct_matches(history: &[u32], max_n: usize, max_len: usize, max_match
 }
 
 /// Lookahead decoding's n-gram pool: for every first token, up to `capacity` (N-1)-token continuations,
-/// most recently added last. Adding a gram already present moves it to the most recent place; adding past
-/// the capacity drops the oldest.
+/// most recently added last, each with a tag saying where it came from (0 for the prompt; lookahead tags a
+/// window gram with the window row that made it, to learn what each row is worth). Adding a gram already
+/// present moves it to the most recent place (with the new tag); adding past the capacity drops the oldest.
 #[derive(Clone, Debug)]
 pub struct NgramPool {
     n: usize,
     capacity: usize,
-    map: HashMap<u32, Vec<Vec<u32>>>,
+    map: HashMap<u32, Vec<(Vec<u32>, u8)>>,
 }
 
 impl NgramPool {
@@ -97,8 +98,13 @@ impl NgramPool {
         }
     }
 
-    /// Adds one N-gram (`gram.len() == n`): key `gram[0]`, continuation `gram[1..]`.
+    /// Adds one N-gram (`gram.len() == n`): key `gram[0]`, continuation `gram[1..]`, tag 0.
     pub fn insert(&mut self, gram: &[u32]) {
+        self.insert_tagged(gram, 0);
+    }
+
+    /// [`NgramPool::insert`] with a tag.
+    pub fn insert_tagged(&mut self, gram: &[u32], tag: u8) {
         assert_eq!(
             gram.len(),
             self.n,
@@ -108,15 +114,12 @@ impl NgramPool {
         );
         let list = self.map.entry(gram[0]).or_default();
         let cont = &gram[1..];
-        if let Some(i) = list.iter().position(|c| c == cont) {
-            let c = list.remove(i);
-            list.push(c);
-            return;
-        }
-        if list.len() >= self.capacity {
+        if let Some(i) = list.iter().position(|c| c.0 == cont) {
+            list.remove(i);
+        } else if list.len() >= self.capacity {
             list.remove(0);
         }
-        list.push(cont.to_vec());
+        list.push((cont.to_vec(), tag));
     }
 
     /// Adds every N-gram of `tokens` (in order, so the last ones end up the most recent).
@@ -128,10 +131,15 @@ impl NgramPool {
 
     /// The continuations stored for `first`, most recent first.
     pub fn get(&self, first: u32) -> impl Iterator<Item = &[u32]> + '_ {
+        self.get_tagged(first).map(|(c, _)| c)
+    }
+
+    /// The continuations stored for `first` with their tags, most recent first.
+    pub fn get_tagged(&self, first: u32) -> impl Iterator<Item = (&[u32], u8)> + '_ {
         self.map
             .get(&first)
             .into_iter()
-            .flat_map(|l| l.iter().rev().map(|c| c.as_slice()))
+            .flat_map(|l| l.iter().rev().map(|c| (c.0.as_slice(), c.1)))
     }
 
     /// Total number of grams held.
@@ -279,6 +287,10 @@ mod tests {
         p.insert(&[1, 6, 6]);
         assert_eq!(p.get(1).collect::<Vec<_>>(), vec![&[6u32, 6][..], &[2, 3][..]]);
         assert_eq!(p.get(2).count(), 0);
+        assert_eq!(p.len(), 3);
+        // Tags follow the most recent insertion.
+        p.insert_tagged(&[1, 2, 3], 5);
+        assert_eq!(p.get_tagged(1).next(), Some((&[2u32, 3][..], 5)));
         assert_eq!(p.len(), 3);
         let mut q = NgramPool::new(2, 8);
         q.insert_all(&[1, 2, 1, 3, 1, 2]);

@@ -1,0 +1,298 @@
+//! `--bc auto`, written once for every method: each step, the block that maximises expected committed
+//! tokens per second, down to plain decoding when no block pays.
+//!
+//! A drafter prices what it could send this step as [`Offer`]s: a block's rows and the tokens it is
+//! expected to commit (1 for the bonus token, plus the chance that each drafted node is accepted: by
+//! linearity of expectation, accepted tokens are the sum of the nodes' reach probabilities). [`Chooser`]
+//! divides those by the block's cost at the current cache length (the [`CostCurve`]) plus one vocabulary
+//! projection per expected accepted level, and keeps the best; plain decoding is one row and one token.
+//! After a run of plain steps it asks for one small exploring block, so acceptance keeps being observed and
+//! speculation can come back when the text becomes predictable.
+//!
+//! How a drafter estimates acceptance is its own: ESP from the rank of the committed token among its
+//! mask's candidates, the chain and trie drafters from [`Rate`]s counted per source and depth.
+
+use super::cost::CostCurve;
+use super::tree::TokenTree;
+use std::sync::Arc;
+
+/// While plain decoding is chosen, every this many plain steps one small block explores.
+pub const EXPLORE_EVERY: usize = 8;
+
+/// A block a drafter could send.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Offer {
+    /// Rows of the forward pass, probes included.
+    pub rows: usize,
+    /// Expected committed tokens, the bonus token included (at least 1).
+    pub tokens: f64,
+}
+
+/// What the step should do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Choice {
+    /// The root alone.
+    Plain,
+    /// The drafter's smallest block that still observes acceptance (plain decoding was chosen for a
+    /// while).
+    Explore,
+    /// The offer at this index.
+    Offer(usize),
+}
+
+/// Picks the block of the step from the cost curve.
+pub struct Chooser {
+    curve: Arc<CostCurve>,
+    /// Plain steps chosen in a row while something was on offer.
+    plain_run: usize,
+}
+
+impl Chooser {
+    pub fn new(curve: Arc<CostCurve>) -> Self {
+        Chooser { curve, plain_run: 0 }
+    }
+
+    pub fn curve(&self) -> &CostCurve {
+        &self.curve
+    }
+
+    /// Expected committed tokens per second of `offer` after `context` cached tokens.
+    pub fn rate(&self, offer: Offer, context: usize) -> f64 {
+        let levels = (offer.tokens - 1.0).max(0.0);
+        offer.tokens / (self.curve.cost(offer.rows, context) + levels * self.curve.extra_logits_seconds)
+    }
+
+    /// The best of `offers` after `context` cached tokens, or plain decoding when none beats it (ties
+    /// go to plain decoding, and to the smaller block); every [`EXPLORE_EVERY`]th plain step in a row,
+    /// [`Choice::Explore`]. With nothing on offer the step is plain and nothing is counted.
+    pub fn choose(&mut self, context: usize, offers: &[Offer]) -> Choice {
+        if offers.is_empty() {
+            return Choice::Plain;
+        }
+        let mut best = (self.rate(Offer { rows: 1, tokens: 1.0 }, context), None);
+        for (i, &o) in offers.iter().enumerate() {
+            let r = self.rate(o, context);
+            if r > best.0 * (1.0 + 1e-9) {
+                best = (r, Some(i));
+            }
+        }
+        match best.1 {
+            Some(i) => {
+                self.plain_run = 0;
+                Choice::Offer(i)
+            }
+            None => {
+                self.plain_run += 1;
+                if self.plain_run.is_multiple_of(EXPLORE_EVERY) {
+                    Choice::Explore
+                } else {
+                    Choice::Plain
+                }
+            }
+        }
+    }
+}
+
+/// The offers of keeping the best `m` nodes of a candidate tree, m = 1..=scores.len(): `scores` are
+/// the nodes' reach probabilities, best first (a prefix of them must form a tree: a node's score never
+/// exceeds its parent's), and `rows(m)` the block's rows with m nodes.
+pub fn prefix_offers(scores: &[f64], rows: impl Fn(usize) -> usize) -> Vec<Offer> {
+    let mut tokens = 1.0;
+    scores
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            tokens += s.clamp(0.0, 1.0);
+            Offer {
+                rows: rows(i + 1),
+                tokens,
+            }
+        })
+        .collect()
+}
+
+/// The non-root nodes of `tree` best first by `score` (ties: shallower, then earlier), so that every
+/// prefix of the order is a tree when a node never scores above its parent.
+pub fn best_first(tree: &TokenTree, score: &[f64]) -> Vec<usize> {
+    let mut order: Vec<usize> = (1..tree.len()).collect();
+    order.sort_by(|&a, &b| {
+        score[b]
+            .total_cmp(&score[a])
+            .then(tree.depth(a).cmp(&tree.depth(b)))
+            .then(a.cmp(&b))
+    });
+    order
+}
+
+/// The tree of the root and `nodes` of `tree` (each after its parent), and for each of its nodes the node
+/// of `tree` it came from.
+pub fn subtree(tree: &TokenTree, nodes: &[usize]) -> (TokenTree, Vec<usize>) {
+    let mut out = TokenTree::with_capacity(tree.token(0), 1 + nodes.len());
+    let mut from = vec![0];
+    let mut map = vec![usize::MAX; tree.len()];
+    map[0] = 0;
+    for &n in nodes {
+        let p = map[tree.parent(n).expect("not the root")];
+        debug_assert!(p != usize::MAX, "a node was taken before its parent");
+        if p == usize::MAX {
+            continue;
+        }
+        map[n] = out.push(p, tree.token(n));
+        from.push(n);
+    }
+    (out, from)
+}
+
+/// The nodes the verifier tried (their parent was reached) and whether each was accepted: what an
+/// acceptance rate conditional on the parent counts.
+pub fn tried_nodes(tree: &TokenTree, accepted: &[usize]) -> Vec<(usize, bool)> {
+    let mut reached = vec![false; tree.len()];
+    reached[0] = true;
+    for &a in accepted {
+        if a < reached.len() {
+            reached[a] = true;
+        }
+    }
+    (1..tree.len())
+        .filter(|&n| reached[tree.parent(n).unwrap_or(0)])
+        .map(|n| (n, reached[n]))
+        .collect()
+}
+
+/// Acceptance of chain depths 1..=n given the depth above was accepted: depth 1's rate, and each deeper
+/// one shrunk towards the depth above it (`rate(d)`: the counts of depth d, if any). An untried depth
+/// inherits the rate of the one above: a chain that keeps being accepted is drafted longer, and learnt.
+pub fn chain_rates(n: usize, rate: impl Fn(usize) -> Option<Rate>) -> Vec<f64> {
+    let mut out: Vec<f64> = Vec::with_capacity(n);
+    for d in 1..=n {
+        let prior = out.last().copied().unwrap_or(0.5);
+        out.push(rate(d).map_or(prior, |r| r.toward(prior)));
+    }
+    out
+}
+
+/// A learnt acceptance rate: accepted / proposed, each starting from a pseudo-count (the prior).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rate {
+    pub accepted: f64,
+    pub proposed: f64,
+}
+
+impl Default for Rate {
+    /// One accepted in two: a weak prior of 1/2.
+    fn default() -> Self {
+        Rate {
+            accepted: 1.0,
+            proposed: 2.0,
+        }
+    }
+}
+
+impl Rate {
+    pub fn get(&self) -> f64 {
+        self.accepted / self.proposed
+    }
+
+    /// The rate with its prior moved from 1/2 to `prior` (same weight): for a chain's deeper nodes, which
+    /// are tried less often, shrunk towards the depth above rather than towards 1/2.
+    pub fn toward(&self, prior: f64) -> f64 {
+        ((self.accepted - 1.0 + 2.0 * prior) / self.proposed).clamp(0.0, 1.0)
+    }
+
+    pub fn record(&mut self, hit: bool) {
+        self.proposed += 1.0;
+        self.accepted += f64::from(u8::from(hit));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chooser(f: impl Fn(usize, usize) -> f64) -> Chooser {
+        Chooser::new(Arc::new(CostCurve::from_fn(f, 0.0)))
+    }
+
+    fn chain(q: f64, n: usize) -> Vec<Offer> {
+        let scores: Vec<f64> = (1..=n).map(|d| q.powi(d as i32)).collect();
+        prefix_offers(&scores, |m| 1 + m)
+    }
+
+    #[test]
+    fn flat_cost_takes_the_largest_block_and_steep_cost_decodes_plainly() {
+        let mut flat = chooser(|_, r| 1.0 + 1e-4 * r as f64);
+        assert_eq!(flat.choose(100, &chain(0.5, 10)), Choice::Offer(9));
+        let mut steep = chooser(|_, r| r as f64);
+        let picks: Vec<Choice> = (0..2 * EXPLORE_EVERY)
+            .map(|_| steep.choose(100, &chain(0.9, 10)))
+            .collect();
+        let explores = picks.iter().filter(|&&c| c == Choice::Explore).count();
+        assert_eq!(explores, 2, "{picks:?}");
+        assert!(picks
+            .iter()
+            .all(|&c| matches!(c, Choice::Plain | Choice::Explore)));
+        // Nothing on offer: plain, and no exploration is owed.
+        assert_eq!(steep.choose(100, &[]), Choice::Plain);
+    }
+
+    #[test]
+    fn acceptance_and_cache_length_move_the_choice() {
+        // Each row adds 10% at a short cache, 40% at a long one (a model whose attention dominates).
+        let mut c = chooser(|ctx, r| 1.0 + (r as f64 - 1.0) * if ctx < 512 { 0.1 } else { 0.4 });
+        // A good chain pays in full at a short cache; a poor one only for a token or two.
+        assert_eq!(c.choose(64, &chain(0.95, 8)), Choice::Offer(7));
+        let poor = c.choose(64, &chain(0.3, 8));
+        assert!(matches!(poor, Choice::Offer(0) | Choice::Offer(1)), "{poor:?}");
+        // At a long cache the same poor chain no longer pays.
+        assert_eq!(c.choose(1024, &chain(0.3, 8)), Choice::Plain);
+    }
+
+    #[test]
+    fn best_nodes_form_trees_and_tried_nodes_are_counted() {
+        // root -> 1 (0.9) -> 3 (0.5); root -> 2 (0.5) -> 4 (0.45)
+        let mut t = TokenTree::new(0);
+        let a = t.push(0, 10);
+        let b = t.push(0, 20);
+        t.push(a, 30);
+        t.push(b, 40);
+        let score = [1.0, 0.9, 0.5, 0.5, 0.45];
+        let order = best_first(&t, &score);
+        assert_eq!(order, vec![1, 2, 3, 4]);
+        let (sub, from) = subtree(&t, &[1, 3]);
+        assert_eq!(sub.tokens(), &[0, 10, 30]);
+        assert_eq!(from, vec![0, 1, 3]);
+        // Accepted 1: nodes 1, 2 (children of the root) and 3 (child of 1) were tried, 4 was not.
+        assert_eq!(tried_nodes(&t, &[1]), vec![(1, true), (2, false), (3, false)]);
+    }
+
+    #[test]
+    fn rates_count_from_their_prior() {
+        let mut r = Rate::default();
+        assert_eq!(r.get(), 0.5);
+        r.record(true);
+        r.record(true);
+        assert_eq!(r.get(), 0.75);
+        r.record(false);
+        assert_eq!(r.proposed, 5.0);
+        // 2 of 3 seen; prior 0.9 instead of 0.5: (2 + 1.8) / 5.
+        assert!((r.toward(0.9) - 0.76).abs() < 1e-12);
+        // Depth 1 always accepted (9 of 10 with the prior), depth 2 untried: it inherits depth 1's rate;
+        // depth 3 seen rejected twice: shrunk towards depth 2's.
+        let seen = |d| match d {
+            1 => Some(Rate {
+                accepted: 9.0,
+                proposed: 10.0,
+            }),
+            3 => Some(Rate {
+                accepted: 1.0,
+                proposed: 4.0,
+            }),
+            _ => None,
+        };
+        let r = chain_rates(4, seen);
+        assert_eq!(r[0], 0.9);
+        assert_eq!(r[1], 0.9);
+        assert!((r[2] - 0.45).abs() < 1e-12);
+        assert_eq!(r[3], r[2]);
+    }
+}
