@@ -19,6 +19,10 @@ use std::sync::Arc;
 /// While plain decoding is chosen, every this many plain steps one small block explores.
 pub const EXPLORE_EVERY: usize = 8;
 
+/// Accepted levels whose logits the verifier's first projection usually holds already (it fetches the
+/// first-child path ahead, up to [`LOGIT_ROWS`](super::generate::LOGIT_ROWS) rows).
+const PREFETCHED_LEVELS: f64 = 3.0;
+
 /// A block a drafter could send.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Offer {
@@ -58,7 +62,9 @@ impl Chooser {
 
     /// Expected committed tokens per second of `offer` after `context` cached tokens.
     pub fn rate(&self, offer: Offer, context: usize) -> f64 {
-        let levels = (offer.tokens - 1.0).max(0.0);
+        // The curve's cost includes the verifier's first projection, which also covers the first few
+        // levels of the drafter's best path; deeper accepted levels take a projection each.
+        let levels = (offer.tokens - 1.0 - PREFETCHED_LEVELS).max(0.0);
         offer.tokens / (self.curve.cost(offer.rows, context) + levels * self.curve.extra_logits_seconds)
     }
 

@@ -206,8 +206,9 @@ fn fill(model: &Transformer, len: usize, cache: &mut KvCache) -> Result<()> {
 }
 
 /// Seconds of one decoding step: the block of tokens `block` after the cache's committed rows, under an
-/// additive mask (a tree's shape does not change the cost), then one row of logits read back to the host;
-/// the cache is rolled back afterwards.
+/// additive mask (a tree's shape does not change the cost), then the verifier's first vocabulary
+/// projection (up to [`LOGIT_ROWS`](crate::decode::generate::LOGIT_ROWS) rows) read back to the host; the
+/// cache is rolled back afterwards.
 pub fn time_step(model: &Transformer, block: &[u32], cache: &mut KvCache) -> Result<f64> {
     let (ctx, rows) = (cache.len(), block.len());
     let x = model.embed(block)?;
@@ -220,7 +221,9 @@ pub fn time_step(model: &Transformer, block: &[u32], cache: &mut KvCache) -> Res
     model.device.synchronize()?;
     let t = Instant::now();
     let h = model.forward(&x, &positions, &mask, cache)?;
-    model.logits(&h, &[0])?.to_vec2::<f32>()?;
+    // As the verifier's first projection: the root and what it fetches ahead.
+    let first: Vec<usize> = (0..rows.min(crate::decode::generate::LOGIT_ROWS)).collect();
+    model.logits(&h, &first)?.to_vec2::<f32>()?;
     let dt = t.elapsed().as_secs_f64();
     cache.truncate(ctx);
     Ok(dt)

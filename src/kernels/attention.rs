@@ -70,6 +70,24 @@ fn exp_nonpositive(x: f32) -> f32 {
     p * f32::from_bits(((n + 127) as u32) << 23)
 }
 
+/// The largest of `x` (NEG_INFINITY when empty), in 16 independent lanes: a maximum is exact in any
+/// order, and one running maximum would be a chain of dependent compares.
+#[inline(always)]
+fn lane_max(x: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let chunks = x.chunks_exact(LANES);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for l in 0..LANES {
+            acc[l] = if c[l] > acc[l] { c[l] } else { acc[l] };
+        }
+    }
+    for (l, &v) in tail.iter().enumerate() {
+        acc[l] = if v > acc[l] { v } else { acc[l] };
+    }
+    acc.into_iter().fold(f32::NEG_INFINITY, f32::max)
+}
+
 /// `Σ x` in 16 lanes by position, then a fixed tree (step 4).
 #[inline(always)]
 fn lane_sum(x: &[f32]) -> f32 {
@@ -263,7 +281,7 @@ impl Problem<'_> {
                         }
                     }
                 }
-                let max = p.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+                let max = lane_max(p);
                 for x in p.iter_mut() {
                     *x = exp_nonpositive(*x - max);
                 }
@@ -554,8 +572,11 @@ pub fn attention_f32_with(
     let (kd, vd) = (cpu_f32(&kg, kl.start_offset())?, cpu_f32(&vg, vl.start_offset())?);
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
-    // Row tiles as tall as possible while there are still a few units per thread to balance.
-    let tiles = (2 * pool.threads()).div_ceil(kv_heads).clamp(1, rows.max(1));
+    // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units
+    // per thread to balance.
+    let tiles = (2 * pool.threads())
+        .div_ceil(kv_heads)
+        .clamp(1, (rows / 4).max(1));
     let problem = Problem {
         qv: &qv,
         kd,
