@@ -16,8 +16,14 @@ use super::cost::CostCurve;
 use super::tree::TokenTree;
 use std::sync::Arc;
 
-/// While plain decoding is chosen, every this many plain steps one small block explores.
+/// Pseudo-tokens, promised and accepted, that the calibration of offers starts from.
+const CALIBRATION_PRIOR: f64 = 4.0;
+
+/// While plain decoding is chosen, after this many plain steps one small block explores ...
 pub const EXPLORE_EVERY: usize = 8;
+/// ... and after each exploration that does not bring speculation back, twice as many, up to this: on
+/// text where nothing pays, exploring costs a few percent at first and then well under one.
+pub const EXPLORE_EVERY_MAX: usize = 64;
 
 /// Accepted levels whose logits the verifier's first projection usually holds already (it fetches the
 /// first-child path ahead, up to [`LOGIT_ROWS`](super::generate::LOGIT_ROWS) rows).
@@ -49,11 +55,27 @@ pub struct Chooser {
     curve: Arc<CostCurve>,
     /// Plain steps chosen in a row while something was on offer.
     plain_run: usize,
+    /// Plain steps before the next exploration.
+    explore_after: usize,
+    /// Drafted tokens the chosen offers promised and those the verifier then accepted (each starting
+    /// from [`CALIBRATION_PRIOR`]): a drafter's acceptance model may be biased (optimistic priors, a
+    /// heuristic's guess), and the ratio corrects every offer by what the offers taken actually gave.
+    promised: f64,
+    accepted: f64,
+    /// The extra tokens the offer chosen this step promised, until [`Chooser::record`].
+    pending: Option<f64>,
 }
 
 impl Chooser {
     pub fn new(curve: Arc<CostCurve>) -> Self {
-        Chooser { curve, plain_run: 0 }
+        Chooser {
+            curve,
+            plain_run: 0,
+            explore_after: EXPLORE_EVERY,
+            promised: CALIBRATION_PRIOR,
+            accepted: CALIBRATION_PRIOR,
+            pending: None,
+        }
     }
 
     pub fn curve(&self) -> &CostCurve {
@@ -61,7 +83,25 @@ impl Chooser {
     }
 
     /// Expected committed tokens per second of `offer` after `context` cached tokens.
+    /// Accepted over promised drafted tokens so far (1 before any evidence).
+    pub fn calibration(&self) -> f64 {
+        (self.accepted / self.promised).clamp(0.05, 2.0)
+    }
+
+    /// What the step the last [`Chooser::choose`] decided committed (drafts accepted + the bonus token),
+    /// or `None` when it was not verified as drafted; sharpens [`Chooser::calibration`].
+    pub fn record(&mut self, committed: Option<usize>) {
+        if let (Some(promised), Some(c)) = (self.pending.take(), committed) {
+            self.promised += promised;
+            self.accepted += c.saturating_sub(1) as f64;
+        }
+    }
+
     pub fn rate(&self, offer: Offer, context: usize) -> f64 {
+        let offer = Offer {
+            tokens: 1.0 + self.calibration() * (offer.tokens - 1.0).max(0.0),
+            ..offer
+        };
         // The curve's cost includes the verifier's first projection, which also covers the first few
         // levels of the drafter's best path; deeper accepted levels take a projection each.
         let levels = (offer.tokens - 1.0 - PREFETCHED_LEVELS).max(0.0);
@@ -69,9 +109,11 @@ impl Chooser {
     }
 
     /// The best of `offers` after `context` cached tokens, or plain decoding when none beats it (ties
-    /// go to plain decoding, and to the smaller block); every [`EXPLORE_EVERY`]th plain step in a row,
+    /// go to plain decoding, and to the smaller block); after [`EXPLORE_EVERY`] plain steps in a row (twice
+    /// as many after each exploration that changed nothing, up to [`EXPLORE_EVERY_MAX`]),
     /// [`Choice::Explore`]. With nothing on offer the step is plain and nothing is counted.
     pub fn choose(&mut self, context: usize, offers: &[Offer]) -> Choice {
+        self.pending = None;
         if offers.is_empty() {
             return Choice::Plain;
         }
@@ -85,11 +127,15 @@ impl Chooser {
         match best.1 {
             Some(i) => {
                 self.plain_run = 0;
+                self.explore_after = EXPLORE_EVERY;
+                self.pending = Some((offers[i].tokens - 1.0).max(0.0));
                 Choice::Offer(i)
             }
             None => {
                 self.plain_run += 1;
-                if self.plain_run.is_multiple_of(EXPLORE_EVERY) {
+                if self.plain_run >= self.explore_after {
+                    self.plain_run = 0;
+                    self.explore_after = (2 * self.explore_after).min(EXPLORE_EVERY_MAX);
                     Choice::Explore
                 } else {
                     Choice::Plain
@@ -229,16 +275,42 @@ mod tests {
         let mut flat = chooser(|_, r| 1.0 + 1e-4 * r as f64);
         assert_eq!(flat.choose(100, &chain(0.5, 10)), Choice::Offer(9));
         let mut steep = chooser(|_, r| r as f64);
-        let picks: Vec<Choice> = (0..2 * EXPLORE_EVERY)
+        let picks: Vec<Choice> = (0..EXPLORE_EVERY + 2 * EXPLORE_EVERY + 4 * EXPLORE_EVERY)
             .map(|_| steep.choose(100, &chain(0.9, 10)))
             .collect();
-        let explores = picks.iter().filter(|&&c| c == Choice::Explore).count();
-        assert_eq!(explores, 2, "{picks:?}");
+        // Explorations after 8, then 16, then 32 plain steps.
+        let explores: Vec<usize> = (0..picks.len())
+            .filter(|&i| picks[i] == Choice::Explore)
+            .collect();
+        assert_eq!(
+            explores,
+            [EXPLORE_EVERY - 1, 3 * EXPLORE_EVERY - 1, 7 * EXPLORE_EVERY - 1],
+            "{picks:?}"
+        );
         assert!(picks
             .iter()
             .all(|&c| matches!(c, Choice::Plain | Choice::Explore)));
         // Nothing on offer: plain, and no exploration is owed.
         assert_eq!(steep.choose(100, &[]), Choice::Plain);
+    }
+
+    #[test]
+    fn offers_that_overpromise_are_discounted() {
+        // Each row adds 10%: a chain the drafter believes in (q = 0.9) pays ...
+        let mut c = chooser(|_, r| 1.0 + 0.1 * (r as f64 - 1.0));
+        assert!(matches!(c.choose(64, &chain(0.9, 8)), Choice::Offer(_)));
+        // ... until the verifier keeps rejecting it: the calibration falls and plain decoding wins.
+        for _ in 0..20 {
+            if let Choice::Offer(_) = c.choose(64, &chain(0.9, 8)) {
+                c.record(Some(1));
+            }
+        }
+        assert!(c.calibration() < 0.2, "{}", c.calibration());
+        assert_ne!(c.choose(64, &chain(0.9, 8)), Choice::Offer(7));
+        // A step that was not verified as drafted teaches nothing.
+        let before = c.calibration();
+        c.record(None);
+        assert_eq!(c.calibration(), before);
     }
 
     #[test]

@@ -412,6 +412,8 @@ impl Drafter for Lookahead {
     fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         let fed = std::mem::take(&mut self.fed);
         if let Some(auto) = &mut self.auto {
+            auto.chooser
+                .record((!step.replaced).then_some(step.committed.len()));
             auto.learn(step, fed.tokens.len());
         }
         let probe_logits = step.probe_logits;
