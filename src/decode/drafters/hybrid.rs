@@ -23,6 +23,9 @@
 //! chance the verifier reaches it, so keeping the best m nodes is expected to commit 1 + the sum of their
 //! scores, and m is chosen every step (0: plain decoding) by tokens per second at the current cache length,
 //! up to [`AUTO_MAX_NODES`]. How the budget splits between the sources follows from their learnt rates.
+//! The block may also go without mask probes (half the rows with k = 1) when what the masks would buy
+//! next step, estimated by what this step's ESP-only nodes are worth, does not pay for them; the
+//! exploring block brings them back.
 //!
 //! The draft depends only on the history and on the probes' logits, never on the step's own random draws:
 //! sample matching in the shared verifier keeps it exact under sampling.
@@ -336,24 +339,51 @@ impl Drafter for Hybrid {
         }
         let budget = self.max_nodes().min(nodes_within(max_rows, k));
         let (mut tree, mut infos, scores) = self.draft_scored(root, history, budget);
+        let mut with_masks = true;
         if let Some(chooser) = &mut self.auto {
-            // Offer m is the best m nodes. The root's masks alone (m = 0) never beat plain decoding, but
-            // they are there to explore: after plain steps ESP has no candidates to offer.
+            // Offer m (1..=n) is the best m nodes with their masks, offer n + m the same nodes without:
+            // a mask row costs as much as a draft row, and what masks buy arrives one step later, as the
+            // candidates only ESP proposes. That is priced as this step's ESP-only nodes once more (their
+            // reach probabilities: what the last step's masks bought). The root's masks alone (offer 0)
+            // never beat plain decoding, but they are there to explore: without masks ESP has no
+            // candidates to offer.
+            let n = scores.len() - 1;
+            let esp_only =
+                |i: usize| infos[i].tags.iter().all(|&t| t == Source::Esp) && !infos[i].tags.is_empty();
             let mut offers = vec![Offer {
                 rows: rows_for(k, 0),
                 tokens: 1.0,
             }];
-            offers.extend(prefix_offers(&scores[1..], |m| rows_for(k, m)));
+            let mut masks_buy = 0.0;
+            for (i, mut o) in prefix_offers(&scores[1..], |m| rows_for(k, m))
+                .into_iter()
+                .enumerate()
+            {
+                if esp_only(i + 1) {
+                    masks_buy += scores[i + 1].clamp(0.0, 1.0);
+                }
+                o.tokens += masks_buy;
+                offers.push(o);
+            }
+            offers.extend(prefix_offers(&scores[1..], |m| 1 + m));
             let m = match chooser.choose(history.len() - 1, &offers) {
                 Choice::Plain => return Draft::root_only(root),
                 Choice::Explore => 0,
-                Choice::Offer(m) => m,
+                Choice::Offer(i) if i <= n => i,
+                Choice::Offer(i) => {
+                    with_masks = false;
+                    i - n
+                }
             };
             let keep: Vec<usize> = (1..=m).collect();
             tree = subtree(&tree, &keep).0;
             infos.truncate(m + 1);
         }
-        let probes = esp_probes(tree.len(), k);
+        let probes = if with_masks {
+            esp_probes(tree.len(), k)
+        } else {
+            Vec::new()
+        };
         self.last = Some((tree.clone(), infos));
         Draft { tree, probes }
     }
