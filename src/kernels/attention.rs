@@ -250,9 +250,15 @@ impl Problem<'_> {
             match self.vis {
                 Visibility::Causal { offset } => s.visible.extend(0..(offset + r + 1).min(keys) as u32),
                 Visibility::Additive(m) => {
+                    // Branch-free: every key is written, and the count moves past the visible ones.
                     let m = &m[r * keys..(r + 1) * keys];
-                    s.visible
-                        .extend((0..seen).filter(|&j| m[j] != f32::NEG_INFINITY).map(|j| j as u32));
+                    s.visible.resize(seen, 0);
+                    let mut n = 0;
+                    for (j, &bias) in m[..seen].iter().enumerate() {
+                        s.visible[n] = j as u32;
+                        n += usize::from(bias != f32::NEG_INFINITY);
+                    }
+                    s.visible.truncate(n);
                 }
             }
             // SAFETY: row r's heads of this group are written by this unit only.
