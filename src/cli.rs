@@ -163,8 +163,10 @@ fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
 
 #[derive(Args, Debug, Clone)]
 pub struct MethodArgs {
-    /// Decoding method.
-    #[arg(long, value_enum, default_value_t = MethodArg::Esp)]
+    /// Decoding method. The default, hybrid, is ESP's masks plus prompt lookup in one tree: under
+    /// `--bc auto` it sends masks where they pay and lookup chains where those do (on a 2-core CPU ESP
+    /// alone decodes plainly).
+    #[arg(long, value_enum, default_value_t = MethodArg::Hybrid)]
     pub method: MethodArg,
     /// Block complexity of esp and hybrid: tokens per forward pass, masks included, (k+1)(1 + sum K_i).
     /// "auto" (every method): each step's block is chosen from the forward cost at the current cache
@@ -204,7 +206,10 @@ pub struct MethodArgs {
 
 impl MethodArgs {
     /// The method these flags describe.
-    pub fn method(&self) -> Method {
+    pub fn method(&self) -> Result<Method> {
+        if self.method != MethodArg::Esp && (self.branches.is_some() || self.tree == TreeArg::Static) {
+            bail!("--branches and --tree static shape ESP's tree: add --method esp");
+        }
         let masks = Masks {
             count: self.masks,
             init: self.mask_init.into(),
@@ -223,7 +228,7 @@ impl MethodArgs {
             max_ngram: self.ngram,
             draft_len,
         };
-        match self.method {
+        Ok(match self.method {
             MethodArg::Ar => Method::Ar,
             MethodArg::Esp => Method::Esp(EspSpec {
                 masks,
@@ -246,7 +251,7 @@ impl MethodArgs {
                 budget: self.bc,
                 lookup: lookup(self.draft_len),
             }),
-        }
+        })
     }
 }
 
@@ -540,7 +545,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
         return run_chat(a);
     }
     let sampling = check_sampling(a)?;
-    let method = a.method.method();
+    let method = a.method.method()?;
     method.validate()?;
     let text = read_prompt(a.prompt.as_deref())?;
     crate::session::check_prompt_text(&text)?;
@@ -602,7 +607,7 @@ fn run_generate(a: &GenerateArgs) -> Result<()> {
 fn run_chat(a: &GenerateArgs) -> Result<()> {
     use rustyline::error::ReadlineError;
     let sampling = check_sampling(a)?;
-    let method = a.method.method();
+    let method = a.method.method()?;
     method.validate()?;
     if a.no_chat_template {
         bail!("--no-chat-template needs a prompt: the interactive conversation uses the chat template");

@@ -191,9 +191,30 @@ fn invalid_flag_values() {
     fails_with(&["--model", m, "--device", "tpu", "w5"], None, "tpu");
     fails_with(&["--model", m, "--bc", "many", "w5"], None, "many");
     fails_with(
-        &["--model", m, "--branches", "4,0", "--masks", "2", "w5"],
+        &[
+            "--model",
+            m,
+            "--method",
+            "esp",
+            "--branches",
+            "4,0",
+            "--masks",
+            "2",
+            "w5",
+        ],
         None,
         "--branches",
+    );
+    // ESP's tree flags with another method would be silently ignored.
+    fails_with(
+        &["--model", m, "--branches", "15,4", "w5"],
+        None,
+        "--branches and --tree static shape ESP's tree: add --method esp",
+    );
+    fails_with(
+        &["--model", m, "--method", "pld", "--tree", "static", "w5"],
+        None,
+        "--method esp",
     );
 }
 

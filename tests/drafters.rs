@@ -83,7 +83,7 @@ fn method_flags_parse_and_bad_values_fail() {
         ),
         (MethodArg::Lookahead, Some(4), 3, 1)
     );
-    assert_eq!(t.m.method(), lookahead(4, 3, 1));
+    assert_eq!(t.m.method().unwrap(), lookahead(4, 3, 1));
     // The flags' defaults, and the library's: the same.
     let d = T::parse_from(["t"]).m;
     assert_eq!(
@@ -96,13 +96,13 @@ fn method_flags_parse_and_bad_values_fail() {
         ),
         (3, None, None, 5, 7)
     );
-    assert_eq!(d.method(), Method::default());
+    assert_eq!(d.method().unwrap(), Method::default());
     assert_eq!(
-        T::parse_from(["t", "--method", "pld"]).m.method(),
+        T::parse_from(["t", "--method", "pld"]).m.method().unwrap(),
         Method::Pld(PldConfig::default())
     );
     assert_eq!(
-        T::parse_from(["t", "--method", "lookahead"]).m.method(),
+        T::parse_from(["t", "--method", "lookahead"]).m.method().unwrap(),
         Method::Lookahead(LookaheadConfig::default())
     );
     let t = T::parse_from(["t", "--method", "pld", "--ngram", "2", "--draft-len", "5"]);
@@ -110,26 +110,33 @@ fn method_flags_parse_and_bad_values_fail() {
         (t.m.method, t.m.ngram, t.m.draft_len),
         (MethodArg::Pld, 2, Some(5))
     );
-    assert_eq!(t.m.method(), pld(2, 5));
+    assert_eq!(t.m.method().unwrap(), pld(2, 5));
     // Left out, the chain length and the window are chosen per step under --bc auto (the default) and
     // take their classic values under a fixed --bc.
-    assert_eq!(T::parse_from(["t", "--method", "pld"]).m.method(), pld_auto(3));
     assert_eq!(
-        T::parse_from(["t", "--method", "pld", "--bc", "30"]).m.method(),
+        T::parse_from(["t", "--method", "pld"]).m.method().unwrap(),
+        pld_auto(3)
+    );
+    assert_eq!(
+        T::parse_from(["t", "--method", "pld", "--bc", "30"])
+            .m
+            .method()
+            .unwrap(),
         pld(3, 10)
     );
     assert_eq!(
-        T::parse_from(["t", "--method", "lookahead"]).m.method(),
+        T::parse_from(["t", "--method", "lookahead"]).m.method().unwrap(),
         lookahead_auto(5, 7)
     );
     assert_eq!(
         T::parse_from(["t", "--method", "lookahead", "--bc", "30"])
             .m
-            .method(),
+            .method()
+            .unwrap(),
         lookahead(7, 5, 7)
     );
     assert_eq!(
-        T::parse_from(["t", "--method", "hybrid"]).m.method(),
+        T::parse_from(["t", "--method", "hybrid"]).m.method().unwrap(),
         hybrid_auto(1)
     );
     let t = T::parse_from(["t", "--method", "hybrid", "--bc", "60", "--masks", "2"]);
@@ -137,14 +144,30 @@ fn method_flags_parse_and_bad_values_fail() {
         (t.m.method, t.m.bc, t.m.masks),
         (MethodArg::Hybrid, Budget::Fixed(60), 2)
     );
-    assert_eq!(t.m.method(), hybrid(60, 2));
-    assert_eq!(t.m.method().kind(), MethodKind::Hybrid);
+    assert_eq!(t.m.method().unwrap(), hybrid(60, 2));
+    assert_eq!(t.m.method().unwrap().kind(), MethodKind::Hybrid);
     // Hybrid has one mode now: the flag that chose between two is gone.
     assert!(T::try_parse_from(["t", "--method", "hybrid", "--hybrid-mode", "simple"]).is_err());
-    let t = T::parse_from(["t", "--bc", "60", "--masks", "2", "--branches", "15,4"]);
-    assert_eq!(t.m.method(), esp(60, 2, EspTree::Static(Some(vec![15, 4]))));
+    let t = T::parse_from([
+        "t",
+        "--method",
+        "esp",
+        "--bc",
+        "60",
+        "--masks",
+        "2",
+        "--branches",
+        "15,4",
+    ]);
     assert_eq!(
-        T::parse_from(["t", "--tree", "static", "--bc", "30"]).m.method(),
+        t.m.method().unwrap(),
+        esp(60, 2, EspTree::Static(Some(vec![15, 4])))
+    );
+    assert_eq!(
+        T::parse_from(["t", "--method", "esp", "--tree", "static", "--bc", "30"])
+            .m
+            .method()
+            .unwrap(),
         esp(30, 1, EspTree::Static(None))
     );
     for bad in [

@@ -180,9 +180,10 @@ pub enum Method {
 }
 
 impl Default for Method {
-    /// What `probespec` runs without flags: ESP, dynamic tree, `--bc auto`.
+    /// What `probespec` runs without flags: the hybrid (ESP's masks and prompt lookup in one tree),
+    /// `--bc auto`.
     fn default() -> Self {
-        Method::Esp(EspSpec::default())
+        Method::Hybrid(HybridSpec::default())
     }
 }
 
@@ -351,7 +352,7 @@ mod tests {
             ..EspSpec::default()
         });
         assert!(small.validate().is_err());
-        assert_eq!(Method::default().kind(), MethodKind::Esp);
+        assert_eq!(Method::default().kind(), MethodKind::Hybrid);
         assert_eq!(
             serde_json::to_string(&MethodKind::Lookahead).unwrap(),
             "\"lookahead\""
