@@ -3,10 +3,10 @@
 //! A SmolLM2 decoding step is about 200 matrix products of 10-100 µs each. Handing one to rayon from
 //! outside its pool and waking the caller again costs 6-10 µs (a futex wake-up each way), so small
 //! products used to stay on one core, and a one-row step ran mostly single-threaded. Here the workers
-//! spin on a shared counter for a while after each job (as ggml's threads do), so a hand-off costs a few
-//! cache-line transfers (well under a microsecond) while jobs come in quick succession, and they park on
-//! a condition variable once the caller has gone quiet (between turns of a conversation, say), so an
-//! idle process does not burn a core.
+//! spin on a shared counter for a while after each job (as ggml's threads do), then yield their core
+//! between checks, so a hand-off costs about a microsecond while jobs come in quick succession, and they
+//! park on a condition variable once the caller has gone quiet (between turns of a conversation, say), so
+//! an idle process does not burn a core.
 //!
 //! The caller takes part in its own job, and never waits for a parked worker to wake up: a job is a
 //! counter of task indices that whoever is there claims, so a late worker finds nothing left to do.
