@@ -13,6 +13,7 @@
 //! mask's candidates, the chain and trie drafters from [`Rate`]s counted per source and depth.
 
 use super::cost::CostCurve;
+use super::generate::Step;
 use super::tree::TokenTree;
 use std::sync::Arc;
 
@@ -88,12 +89,14 @@ impl Chooser {
         (self.accepted / self.promised).clamp(0.05, 2.0)
     }
 
-    /// What the step the last [`Chooser::choose`] decided committed (drafts accepted + the bonus token),
-    /// or `None` when it was not verified as drafted; sharpens [`Chooser::calibration`].
-    pub fn record(&mut self, committed: Option<usize>) {
-        if let (Some(promised), Some(c)) = (self.pending.take(), committed) {
-            self.promised += promised;
-            self.accepted += c.saturating_sub(1) as f64;
+    /// What the step the last [`Chooser::choose`] decided committed (drafts accepted + the bonus token);
+    /// sharpens [`Chooser::calibration`]. A step the loop did not verify as drafted teaches nothing.
+    pub fn record(&mut self, step: &Step) {
+        if let Some(promised) = self.pending.take() {
+            if !step.replaced {
+                self.promised += promised;
+                self.accepted += step.committed.len().saturating_sub(1) as f64;
+            }
         }
     }
 
@@ -300,16 +303,25 @@ mod tests {
         let mut c = chooser(|_, r| 1.0 + 0.1 * (r as f64 - 1.0));
         assert!(matches!(c.choose(64, &chain(0.9, 8)), Choice::Offer(_)));
         // ... until the verifier keeps rejecting it: the calibration falls and plain decoding wins.
+        let rejected = Step {
+            accepted: &[],
+            committed: &[7],
+            probe_logits: &[],
+            replaced: false,
+        };
         for _ in 0..20 {
             if let Choice::Offer(_) = c.choose(64, &chain(0.9, 8)) {
-                c.record(Some(1));
+                c.record(&rejected);
             }
         }
         assert!(c.calibration() < 0.2, "{}", c.calibration());
         assert_ne!(c.choose(64, &chain(0.9, 8)), Choice::Offer(7));
         // A step that was not verified as drafted teaches nothing.
         let before = c.calibration();
-        c.record(None);
+        c.record(&Step {
+            replaced: true,
+            ..rejected
+        });
         assert_eq!(c.calibration(), before);
     }
 

@@ -27,9 +27,11 @@ pub struct CostCurve {
     pub contexts: Vec<usize>,
     /// Block sizes timed, ascending, starting at 1.
     pub rows: Vec<usize>,
-    /// `seconds[c][r]`: a block of `rows[r]` rows after `contexts[c]` cached tokens, with one row of logits.
+    /// `seconds[c][r]`: a block of `rows[r]` rows after `contexts[c]` cached tokens, with the verifier's
+    /// first vocabulary projection ([`time_step`]).
     pub seconds: Vec<Vec<f64>>,
-    /// One more lm_head pass over a few rows: the verifier pays it per accepted tree level.
+    /// One more lm_head pass over a few rows: the verifier pays it per accepted level beyond those the
+    /// first projection fetched ahead.
     pub extra_logits_seconds: f64,
 }
 

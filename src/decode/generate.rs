@@ -242,19 +242,21 @@ pub fn generate_in(
                 .collect()
         };
         let (accepted, bonus) = accept(&draft.tree, |cur| -> Result<u32> {
-            let mut rows = vec![cur];
-            rows.extend(probe_rows_of(drafter.probe_owner(cur)));
-            let mut next = draft.tree.children(cur).next();
-            while let Some(n) = next {
-                let probes = probe_rows_of(drafter.probe_owner(n));
-                if rows.len() + 1 + probes.len() > LOGIT_ROWS {
-                    break;
+            // A node fetched ahead came with its owner's probe rows: nothing more to compute.
+            if !logits.has(cur) {
+                let mut rows = Vec::with_capacity(LOGIT_ROWS);
+                let mut next = Some(cur);
+                while let Some(n) = next {
+                    let probes = probe_rows_of(drafter.probe_owner(n));
+                    if n != cur && rows.len() + 1 + probes.len() > LOGIT_ROWS {
+                        break;
+                    }
+                    rows.push(n);
+                    rows.extend(probes);
+                    next = draft.tree.children(n).next();
                 }
-                rows.push(n);
-                rows.extend(probes);
-                next = draft.tree.children(n).next();
+                logits.fetch(model, &hidden, &rows)?;
             }
-            logits.fetch(model, &hidden, &rows)?;
             Ok(sampler.pick(logits.row(cur)))
         })?;
         let cur = accepted.last().copied().unwrap_or(0);
@@ -332,6 +334,10 @@ impl RowLogits {
             self.rows[r] = Some(l);
         }
         Ok(())
+    }
+
+    fn has(&self, r: usize) -> bool {
+        self.rows[r].is_some()
     }
 
     fn row(&self, r: usize) -> &[f32] {

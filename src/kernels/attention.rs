@@ -24,7 +24,7 @@
 //! every query head of the group and every row of the tile: the query rows of a block share each key
 //! read. Units of (key/value head, row tile) run on the kernel pool.
 
-use candle_core::{DType, Error, Result, Storage, Tensor};
+use candle_core::{DType, Error, Result, Tensor};
 
 /// Which keys a query row may see.
 #[derive(Clone, Copy)]
@@ -41,9 +41,6 @@ const LANES: usize = 16;
 const KEY_CHUNK: usize = 64;
 /// Head dimensions accumulated together in step 5 (per pass over the visible keys).
 const DIM_CHUNK: usize = 64;
-/// Query heads per key/value head that get their own reciprocal slot (more wrap around, which only
-/// matters for its reuse order, never its value).
-const MAX_GROUP: usize = 64;
 
 /// `exp(x)` for `x <= 0` (a softmax's shifted scores), to about 2 ulp: `2^n · P(r)` with `n =
 /// round(x / ln 2)`, `r = x - n ln 2` in two fused steps, and a degree-6 polynomial. Values below -87
@@ -158,6 +155,9 @@ struct Problem<'a> {
     tile: usize,
 }
 
+/// One head of a row in step 5: its outputs, its weights `p_t`, and `1 / Σ p_t`.
+type HeadOut<'a> = ((&'a mut [f32], &'a [f32]), &'a f32);
+
 /// Per-unit buffers.
 #[derive(Default)]
 struct Scratch {
@@ -165,9 +165,10 @@ struct Scratch {
     kt: Vec<f32>,
     /// Scores of one (row, head) over all keys.
     scores: Vec<f32>,
-    /// The row's visible list: key indices, and then their `p_t`.
+    /// The row's visible list: key indices, then per head their `p_t` and `1 / Σ p_t`.
     visible: Vec<u32>,
     p: Vec<f32>,
+    inv: Vec<f32>,
 }
 
 impl Problem<'_> {
@@ -223,26 +224,19 @@ impl Problem<'_> {
             &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
         };
         for j0 in (0..kp).step_by(KEY_CHUNK) {
-            let mut slot = 0;
-            while slot + 1 < slots {
-                let (a, b) = s.scores[slot * kp..].split_at_mut(kp);
-                score_chunk2(
-                    [q(slot), q(slot + 1)],
-                    &s.kt,
-                    kp,
-                    j0,
-                    [&mut a[j0..j0 + KEY_CHUNK], &mut b[j0..j0 + KEY_CHUNK]],
-                );
-                slot += 2;
-            }
-            if slot < slots {
-                score_chunk(
-                    q(slot),
-                    &s.kt,
-                    kp,
-                    j0,
-                    &mut s.scores[slot * kp + j0..][..KEY_CHUNK],
-                );
+            // Two slots at a time: each key chunk loaded once, twice the independent chains.
+            let mut store = |slot: usize, chunk: &[f32; KEY_CHUNK]| {
+                s.scores[slot * kp + j0..][..KEY_CHUNK].copy_from_slice(chunk);
+            };
+            for slot in (0..slots).step_by(2) {
+                if slot + 1 < slots {
+                    let [a, b] = score_chunk([q(slot), q(slot + 1)], &s.kt, kp, j0);
+                    store(slot, &a);
+                    store(slot + 1, &b);
+                } else {
+                    let [a] = score_chunk([q(slot)], &s.kt, kp, j0);
+                    store(slot, &a);
+                }
             }
         }
         for (ri, r) in rows.enumerate() {
@@ -270,7 +264,7 @@ impl Problem<'_> {
             let nv = s.visible.len();
             s.p.clear();
             s.p.resize(group * nv, 0.0);
-            let mut inv = [0.0f32; MAX_GROUP];
+            s.inv.clear();
             for g in 0..group {
                 let scores = &s.scores[(ri * group + g) * kp..][..kp];
                 let p = &mut s.p[g * nv..(g + 1) * nv];
@@ -291,19 +285,16 @@ impl Problem<'_> {
                 for x in p.iter_mut() {
                     *x = exp_nonpositive(*x - max);
                 }
-                inv[g % MAX_GROUP] = 1.0 / lane_sum(p);
+                s.inv.push(1.0 / lane_sum(p));
             }
             // Two heads at a time: twice the independent accumulation chains.
-            let mut g = 0;
-            while g < group {
-                let pair = (group - g).min(2);
-                let og = &mut o[g * hd..(g + pair) * hd];
-                self.weighted_values(kvh, &s.visible, &s.p[g * nv..(g + pair) * nv], pair, og);
-                for (h, oh) in og.chunks_exact_mut(hd).enumerate() {
-                    let i = inv[(g + h) % MAX_GROUP];
-                    oh.iter_mut().for_each(|x| *x *= i);
+            let mut heads = o.chunks_exact_mut(hd).zip(s.p.chunks_exact(nv)).zip(&s.inv);
+            loop {
+                match (heads.next(), heads.next()) {
+                    (Some(a), Some(b)) => self.weighted_values(kvh, &s.visible, [a, b]),
+                    (Some(a), None) => self.weighted_values(kvh, &s.visible, [a]),
+                    _ => break,
                 }
-                g += pair;
             }
         }
     }
@@ -351,79 +342,68 @@ impl Problem<'_> {
         }
     }
 
-    /// `o_h = Σ_t p_ht · v_{visible[t]}` (step 5) for `heads` (1 or 2) heads: `p` and `o` hold one run
-    /// of `visible.len()` weights and one of `hd` outputs per head. A fused multiply-add chain per
-    /// element, in visible order.
+    /// `o_h = (Σ_t p_ht · v_{visible[t]}) · inv_h` (step 5) for N heads, each given as its outputs, its
+    /// weights `p_h` and `inv_h`: a fused multiply-add chain per element in visible order, then one
+    /// multiply.
     #[inline(always)]
-    fn weighted_values(&self, kvh: usize, visible: &[u32], p: &[f32], heads: usize, o: &mut [f32]) {
-        let (hd, nv) = (self.hd, visible.len());
-        let value =
-            |j: u32, d0: usize, n: usize| &self.vd[j as usize * self.row_stride + kvh * hd + d0..][..n];
+    fn weighted_values<const N: usize>(&self, kvh: usize, visible: &[u32], mut heads: [HeadOut<'_>; N]) {
+        let hd = self.hd;
         for d0 in (0..hd).step_by(DIM_CHUNK) {
-            if hd - d0 >= DIM_CHUNK && heads == 2 {
-                let (mut a, mut b) = ([0.0f32; DIM_CHUNK], [0.0f32; DIM_CHUNK]);
-                for ((&j, &pa), &pb) in visible.iter().zip(&p[..nv]).zip(&p[nv..]) {
-                    let v = value(j, d0, DIM_CHUNK);
-                    for l in 0..DIM_CHUNK {
-                        a[l] = pa.mul_add(v[l], a[l]);
-                        b[l] = pb.mul_add(v[l], b[l]);
-                    }
-                }
-                o[d0..d0 + DIM_CHUNK].copy_from_slice(&a);
-                o[hd + d0..hd + d0 + DIM_CHUNK].copy_from_slice(&b);
-            } else if hd - d0 >= DIM_CHUNK {
-                let mut a = [0.0f32; DIM_CHUNK];
-                for (&j, &pa) in visible.iter().zip(p) {
-                    let v = value(j, d0, DIM_CHUNK);
-                    for l in 0..DIM_CHUNK {
-                        a[l] = pa.mul_add(v[l], a[l]);
-                    }
-                }
-                o[d0..d0 + DIM_CHUNK].copy_from_slice(&a);
+            // A whole chunk has a constant width, so its accumulators stay in registers.
+            let acc = if hd - d0 >= DIM_CHUNK {
+                self.accumulate::<N>(kvh, visible, &heads, d0, DIM_CHUNK)
             } else {
-                let n = hd - d0;
-                for h in 0..heads {
-                    let oh = &mut o[h * hd + d0..h * hd + hd];
-                    for (&j, &pt) in visible.iter().zip(&p[h * nv..(h + 1) * nv]) {
-                        for (acc, &x) in oh.iter_mut().zip(value(j, d0, n)) {
-                            *acc = pt.mul_add(x, *acc);
-                        }
-                    }
+                self.accumulate::<N>(kvh, visible, &heads, d0, hd - d0)
+            };
+            for (a, ((o, _), &inv)) in acc.iter().zip(heads.iter_mut()) {
+                for (x, &y) in o[d0..].iter_mut().zip(a) {
+                    *x = y * inv;
                 }
             }
         }
     }
+
+    /// `Σ_t p_ht · v_{visible[t]}[d0 .. d0 + n]` for each head (`n <= DIM_CHUNK`; the rest of each
+    /// accumulator stays 0).
+    #[inline(always)]
+    fn accumulate<const N: usize>(
+        &self,
+        kvh: usize,
+        visible: &[u32],
+        heads: &[HeadOut<'_>; N],
+        d0: usize,
+        n: usize,
+    ) -> [[f32; DIM_CHUNK]; N] {
+        let mut acc = [[0.0f32; DIM_CHUNK]; N];
+        for (t, &j) in visible.iter().enumerate() {
+            let v = &self.vd[j as usize * self.row_stride + self.hd * kvh + d0..][..n];
+            for (a, ((_, p), _)) in acc.iter_mut().zip(heads) {
+                let pt = p[t];
+                for l in 0..n {
+                    a[l] = pt.mul_add(v[l], a[l]);
+                }
+            }
+        }
+        acc
+    }
 }
 
-/// `scores[l] = Σ_d q_d · kt[d · kp + j0 + l]` for the [`KEY_CHUNK`] keys from `j0` (step 1's dot
-/// products), each a fused multiply-add chain in `d` order, 8 independent 16-lane chains at a time.
+/// `scores[i][l] = Σ_d q_i[d] · kt[d · kp + j0 + l]` for the [`KEY_CHUNK`] keys from `j0` and each of
+/// the N query vectors (step 1's dot products): each a fused multiply-add chain in `d` order, N · 4
+/// independent 16-lane chains, each key chunk loaded once for all N.
 #[inline(always)]
-fn score_chunk(q: &[f32], kt: &[f32], kp: usize, j0: usize, scores: &mut [f32]) {
-    let mut acc = [0.0f32; KEY_CHUNK];
-    for (d, &qd) in q.iter().enumerate() {
+fn score_chunk<const N: usize>(q: [&[f32]; N], kt: &[f32], kp: usize, j0: usize) -> [[f32; KEY_CHUNK]; N] {
+    let mut acc = [[0.0f32; KEY_CHUNK]; N];
+    for d in 0..q[0].len() {
         let k = &kt[d * kp + j0..][..KEY_CHUNK];
-        for l in 0..KEY_CHUNK {
-            acc[l] = qd.mul_add(k[l], acc[l]);
+        for (a, qi) in acc.iter_mut().zip(&q) {
+            let qd = qi[d];
+            for l in 0..KEY_CHUNK {
+                a[l] = qd.mul_add(k[l], a[l]);
+            }
         }
     }
-    scores.copy_from_slice(&acc);
-}
-
-/// [`score_chunk`] for two query vectors at once: each key chunk loaded once, twice the independent
-/// chains (each score's own chain is unchanged).
-#[inline(always)]
-fn score_chunk2(q: [&[f32]; 2], kt: &[f32], kp: usize, j0: usize, scores: [&mut [f32]; 2]) {
-    let (mut a, mut b) = ([0.0f32; KEY_CHUNK], [0.0f32; KEY_CHUNK]);
-    for (d, (&qa, &qb)) in q[0].iter().zip(q[1]).enumerate() {
-        let k = &kt[d * kp + j0..][..KEY_CHUNK];
-        for l in 0..KEY_CHUNK {
-            a[l] = qa.mul_add(k[l], a[l]);
-            b[l] = qb.mul_add(k[l], b[l]);
-        }
-    }
-    let [sa, sb] = scores;
-    sa.copy_from_slice(&a);
-    sb.copy_from_slice(&b);
+    acc
 }
 
 /// An 8 x 8 block transposed: `to[d · to_stride + j] = from[j · from_stride + d]`.
@@ -517,14 +497,6 @@ unsafe fn transpose16_avx512(from: &[f32], from_stride: usize, to: &mut [f32], t
     }
 }
 
-/// Borrowed f32 data of a CPU tensor whose last two dims are contiguous, from its start offset.
-fn cpu_f32(guard: &Storage, start: usize) -> Result<&[f32]> {
-    match guard {
-        Storage::Cpu(cpu) => Ok(&cpu.as_slice::<f32>()?[start..]),
-        _ => Err(Error::Msg("attention_f32 takes CPU tensors".into())),
-    }
-}
-
 /// `q`: [1, rows, heads, hd]; `k`, `v`: [1, keys, kv_heads, hd] (a prefix view of the KV cache);
 /// returns [rows, heads * hd].
 pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale: f32) -> Result<Tensor> {
@@ -575,7 +547,10 @@ pub fn attention_f32_with(
             "attention_f32: keys/values rows must be contiguous".into(),
         ));
     }
-    let (kd, vd) = (cpu_f32(&kg, kl.start_offset())?, cpu_f32(&vg, vl.start_offset())?);
+    let (kd, vd) = (
+        super::cpu_f32(&kg, kl.start_offset())?,
+        super::cpu_f32(&vg, vl.start_offset())?,
+    );
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
     // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units

@@ -24,11 +24,39 @@ pub mod qmatmul;
 #[cfg(test)]
 mod test_util;
 
+use candle_core::{DType, Error, Result, Storage, Tensor};
+
 pub use attention::{attention_f32, attention_f32_with, Visibility, Width};
 pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
 pub use q8matmul::{linear_q8, linear_q8_many, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
+
+/// Fails unless `x` is an f32 tensor on the CPU (what the kernels take), naming the kernel.
+pub(crate) fn check_f32_cpu(x: &Tensor, kernel: &str) -> Result<()> {
+    if x.dtype() != DType::F32 {
+        return Err(Error::Msg(format!("{kernel} takes f32 activations, got {:?}", x.dtype())).bt());
+    }
+    if !x.device().is_cpu() {
+        return Err(Error::Msg(format!("{kernel} takes CPU tensors")).bt());
+    }
+    Ok(())
+}
+
+/// The f32 data of a CPU storage from `start` on, borrowed.
+pub(crate) fn cpu_f32(storage: &Storage, start: usize) -> Result<&[f32]> {
+    match storage {
+        Storage::Cpu(cpu) => Ok(&cpu.as_slice::<f32>()?[start..]),
+        _ => Err(Error::Msg("the CPU kernels take CPU tensors".into())),
+    }
+}
+
+/// `f` of the values of a contiguous f32 CPU tensor, borrowed from its storage (no copy).
+pub(crate) fn with_f32<T>(x: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> {
+    let x = x.contiguous()?;
+    let (storage, layout) = x.storage_and_layout();
+    Ok(f(&cpu_f32(&storage, layout.start_offset())?[..x.elem_count()]))
+}
 
 /// Milliseconds of this thread's CPU time per call of `f` (median of 9 runs of at least 20 calls): for
 /// single-threaded timings on a machine shared with other work, where wall time mostly measures the

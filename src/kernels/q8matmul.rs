@@ -43,7 +43,7 @@
 
 use super::isa::Isa;
 use super::qmatmul::{BlockFormat, BlockMatrix, BLOCK};
-use candle_core::{DType, Device, Error, Result, Tensor};
+use candle_core::{Device, Error, Result, Tensor};
 
 /// Output rows per packed group: the lanes of one 512-bit register of i32 / f32.
 pub const GROUP: usize = 16;
@@ -1120,17 +1120,7 @@ pub fn linear_q8(x: &Tensor, w: &PackedMatrix) -> Result<Tensor> {
 /// # Errors
 /// If `x` is not f32, not on the CPU, not 2-D, or its width is not every matrix's.
 pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
-    if x.dtype() != DType::F32 {
-        return Err(Error::UnexpectedDType {
-            msg: "linear_q8 takes f32 activations",
-            expected: DType::F32,
-            got: x.dtype(),
-        }
-        .bt());
-    }
-    if !x.device().is_cpu() {
-        return Err(Error::Msg("linear_q8 takes CPU tensors".into()).bt());
-    }
+    super::check_f32_cpu(x, "linear_q8")?;
     let (m, k) = x.dims2()?;
     for w in ws {
         let kw = w.dims().1;
@@ -1138,15 +1128,7 @@ pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
             return Err(Error::Msg(format!("linear_q8: x has {k} columns, the weight {kw}")).bt());
         }
     }
-    let x = x.contiguous()?;
-    let a = {
-        let (guard, layout) = x.storage_and_layout();
-        let candle_core::Storage::Cpu(cpu) = &*guard else {
-            return Err(Error::Msg("linear_q8 takes CPU tensors".into()).bt());
-        };
-        let xs = &cpu.as_slice::<f32>()?[layout.start_offset()..][..m * k];
-        quantize_rows(xs, m, k)
-    };
+    let a = super::with_f32(x, |xs| quantize_rows(xs, m, k))?;
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| vec![0.0f32; m * w.dims().0]).collect();
     {
         let mut outs: Vec<&mut [f32]> = ys.iter_mut().map(|y| y.as_mut_slice()).collect();
@@ -1162,6 +1144,7 @@ pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
 mod tests {
     use super::*;
     use crate::kernels::test_util::{random_blocks, with_threads};
+    use candle_core::DType;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 

@@ -28,7 +28,7 @@
 
 use super::isa::Isa;
 use super::matmul::{process_path, Path};
-use candle_core::{DType, Device, Error, Result, Tensor};
+use candle_core::{Device, Error, Result, Tensor};
 
 /// Weights per block in every supported format.
 pub const BLOCK: usize = 32;
@@ -754,25 +754,14 @@ mod avx2 {
 /// # Errors
 /// If `x` is not f32, not on the CPU, not 2-D, or its width is not `w`'s.
 pub fn linear_blocks(x: &Tensor, w: &BlockMatrix) -> Result<Tensor> {
-    if x.dtype() != DType::F32 {
-        return Err(Error::UnexpectedDType {
-            msg: "linear_blocks takes f32 activations",
-            expected: DType::F32,
-            got: x.dtype(),
-        }
-        .bt());
-    }
-    if !x.device().is_cpu() {
-        return Err(Error::Msg("linear_blocks takes CPU tensors".into()).bt());
-    }
+    super::check_f32_cpu(x, "linear_blocks")?;
     let (m, k) = x.dims2()?;
     let (n, kw) = w.dims();
     if k != kw {
         return Err(Error::Msg(format!("linear_blocks: x has {k} columns, the weight {kw}")).bt());
     }
-    let xs = x.flatten_all()?.to_vec1::<f32>()?;
     let mut y = vec![0.0f32; m * n];
-    matmul_blocks(&xs, w, &mut y, m);
+    super::with_f32(x, |xs| matmul_blocks(xs, w, &mut y, m))?;
     Tensor::from_vec(y, (m, n), &Device::Cpu)
 }
 
@@ -782,6 +771,7 @@ mod tests {
     use crate::kernels::matmul::matmul_with;
     use crate::kernels::test_util::{random_blocks, with_threads};
     use candle_core::quantized::{GgmlDType, QTensor};
+    use candle_core::DType;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
 

@@ -70,7 +70,7 @@ impl Linear {
     /// Several projections of the same input (a layer's q/k/v, or gate/up). With 8-bit activations on the
     /// CPU the input is quantised once and all the products go to the kernel pool as one job; the
     /// results are those of calling [`Linear::forward`] on each.
-    pub fn forward_many(linears: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+    pub fn forward_many<const N: usize>(linears: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
         let packed: Option<Vec<&PackedMatrix>> = linears
             .iter()
             .map(|l| match &l.weight {
@@ -78,7 +78,7 @@ impl Linear {
                 _ => None,
             })
             .collect();
-        match packed {
+        let ys: Vec<Tensor> = match packed {
             Some(ws) if x.device().is_cpu() => {
                 let dt = x.dtype();
                 let ys = crate::kernels::linear_q8_many(&x.to_dtype(DType::F32)?, &ws)?;
@@ -86,10 +86,11 @@ impl Linear {
                     .iter()
                     .zip(ys)
                     .map(|(l, y)| l.finish(y.to_dtype(dt)?))
-                    .collect()
+                    .collect::<Result<_>>()?
             }
-            _ => linears.iter().map(|l| l.forward(x)).collect(),
-        }
+            _ => linears.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
+        };
+        Ok(ys.try_into().expect("one result per projection"))
     }
 
     /// Bias, then the output permutation.

@@ -212,9 +212,7 @@ impl Transformer {
         let c = &self.config;
         let rows = x.dim(0)?;
         let h = l.attn_norm.forward(x)?;
-        let [q, k, v]: [Tensor; 3] = Linear::forward_many(&[&l.q_proj, &l.k_proj, &l.v_proj], &h)?
-            .try_into()
-            .map_err(|_| anyhow::anyhow!("three projections"))?;
+        let [q, k, v] = Linear::forward_many([&l.q_proj, &l.k_proj, &l.v_proj], &h)?;
         let q = q.reshape((1, rows, c.num_heads, c.head_dim))?;
         let k = k.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
         let v = v.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
@@ -232,9 +230,7 @@ impl Transformer {
         let attn = self.attention(&q, &k_all, &v_all, mask, cache.len())?;
         let x = (x + l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
-        let [gate, up]: [Tensor; 2] = Linear::forward_many(&[&l.gate_proj, &l.up_proj], &h)?
-            .try_into()
-            .map_err(|_| anyhow::anyhow!("two projections"))?;
+        let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
         let gated = (candle_nn::ops::silu(&gate)? * up)?;
         Ok((x + l.down_proj.forward(&gated)?)?)
     }

@@ -360,8 +360,7 @@ impl Drafter for Esp {
 
     fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
         if let Some(auto) = self.auto.as_mut() {
-            auto.chooser
-                .record((!step.replaced).then_some(step.committed.len()));
+            auto.chooser.record(step);
         }
         if let (Some(auto), Some(depth1), Some(&next)) = (
             self.auto.as_mut(),

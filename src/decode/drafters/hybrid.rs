@@ -394,7 +394,7 @@ impl Drafter for Hybrid {
 
     fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
         if let Some(chooser) = &mut self.auto {
-            chooser.record((!step.replaced).then_some(step.committed.len()));
+            chooser.record(step);
         }
         // A replaced draft was not verified: nothing to learn from it.
         if let Some((tree, infos)) = self.last.take() {

@@ -412,8 +412,7 @@ impl Drafter for Lookahead {
     fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         let fed = std::mem::take(&mut self.fed);
         if let Some(auto) = &mut self.auto {
-            auto.chooser
-                .record((!step.replaced).then_some(step.committed.len()));
+            auto.chooser.record(step);
             auto.learn(step, fed.tokens.len());
         }
         let probe_logits = step.probe_logits;

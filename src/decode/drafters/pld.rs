@@ -176,8 +176,7 @@ impl Drafter for Pld {
 
     fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         if let Some(auto) = &mut self.auto {
-            auto.chooser
-                .record((!step.replaced).then_some(step.committed.len()));
+            auto.chooser.record(step);
             auto.learn(step);
         }
         Ok(())
