@@ -261,13 +261,7 @@ mod tests {
     fn dynamic_tree_keeps_the_best_nodes() {
         // Against brute force: the full tree (every non-pruned candidate to depth 3) ranked by cumulative
         // probability; the dynamic tree of budget B must hold exactly the B best scores.
-        let mut seed = 0x2545_f491_u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = crate::decode::drafters::test_rng(0x2545_f491_u64);
         for _case in 0..50 {
             let dists: Vec<Candidates> = (0..3)
                 .map(|_| {

@@ -16,3 +16,14 @@ pub mod lookahead;
 pub mod ngram;
 /// Prompt Lookup Decoding.
 pub mod pld;
+
+/// A small deterministic generator for the drafters' brute-force tests: a 64-bit LCG's high bits.
+#[cfg(test)]
+fn test_rng(mut seed: u64) -> impl FnMut() -> u32 {
+    move || {
+        seed = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (seed >> 33) as u32
+    }
+}

@@ -217,13 +217,7 @@ mod tests {
 
     #[test]
     fn lookup_matches_brute_force() {
-        let mut seed = 7u64;
-        let mut next = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut next = crate::decode::drafters::test_rng(7u64);
         for _ in 0..300 {
             let len = (next() % 30) as usize;
             let h: Vec<u32> = (0..len).map(|_| next() % 4).collect();
