@@ -571,8 +571,25 @@ pub fn matmul_q8_with(isa: Isa, x: &[f32], w: &PackedMatrix, y: &mut [f32], m: u
     matmul_quantized_with(isa, &a, w, y)
 }
 
-/// One task: groups `g0 .. g0 + out.len() / (16 m)` for every row, written `out[(gi·m + r)·16 + l]`.
-type TaskFn = fn(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]);
+/// Where a task writes: the 16 outputs of its `gi`-th group for row `r` at `ptr + r·ld + gi·16`.
+/// Tasks own disjoint column ranges of the same rows, so they share the pointer.
+#[derive(Clone, Copy)]
+struct Out {
+    ptr: *mut f32,
+    ld: usize,
+    groups: usize,
+}
+
+impl Out {
+    /// # Safety
+    /// `gi < groups` and `r` within the rows the pointer was made for.
+    unsafe fn at(self, gi: usize, r: usize) -> *mut f32 {
+        self.ptr.add(r * self.ld + gi * GROUP)
+    }
+}
+
+/// One task: groups `g0 .. g0 + out.groups` for every row.
+type TaskFn = fn(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out);
 
 /// The product of already quantised rows (`y`: [a.rows, n]).
 pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut [f32]) {
@@ -613,18 +630,20 @@ pub fn matmul_quantized_many(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: 
     let pool = super::pool::Pool::global();
     let work: usize = ws.iter().map(|w| m * w.rows * w.cols).sum();
     let parallel = work >= PAR_MIN_WORK;
-    // Per matrix: its output (`y` itself when tasks can write it directly: one row, whole groups), and
-    // its tasks, each a run of whole groups writing [group][row][16].
+    // Per matrix: where its tasks write (`y` itself, rows of whole groups; a padded copy when the
+    // last group is partial) and its tasks, each a run of whole groups.
     struct Part<'a> {
         w: &'a PackedMatrix,
         per_task: usize,
         first: usize,
-        out: super::pool::SharedMut<'a, f32>,
+        out: Out,
     }
+    // SAFETY: tasks write disjoint groups (column ranges) through `out`.
+    unsafe impl Sync for Part<'_> {}
     let mut bufs: Vec<Vec<f32>> = ws
         .iter()
         .map(|w| {
-            if m == 1 && w.rows.is_multiple_of(GROUP) {
+            if w.rows.is_multiple_of(GROUP) {
                 Vec::new()
             } else {
                 vec![0.0f32; w.groups() * GROUP * m]
@@ -643,35 +662,48 @@ pub fn matmul_quantized_many(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: 
         } else {
             1
         };
-        let per_task = groups.div_ceil(n_tasks) * GROUP * m;
-        let out: &mut [f32] = if buf.is_empty() { y } else { buf };
-        let chunks = out.len().div_ceil(per_task);
+        let per_task = groups.div_ceil(n_tasks);
+        let out = if buf.is_empty() {
+            Out {
+                ptr: y.as_mut_ptr(),
+                ld: w.rows,
+                groups,
+            }
+        } else {
+            Out {
+                ptr: buf.as_mut_ptr(),
+                ld: groups * GROUP,
+                groups,
+            }
+        };
         parts.push(Part {
             w,
             per_task,
             first: tasks,
-            out: super::pool::SharedMut::new(out),
+            out,
         });
-        tasks += chunks;
+        tasks += groups.div_ceil(per_task);
     }
     pool.run(tasks, &|t| {
         let p = &parts[parts.partition_point(|p| p.first <= t) - 1];
-        let i = t - p.first;
-        // SAFETY: task t writes chunk i of its matrix's output, which no other task touches.
-        let o = unsafe { p.out.range(i * p.per_task, p.per_task) };
-        task(a, p.w, i * p.per_task / (GROUP * m), o)
+        let g0 = (t - p.first) * p.per_task;
+        let groups = p.per_task.min(p.out.groups - g0);
+        // SAFETY: task t writes groups g0 .. g0 + groups of every row, which no other task touches.
+        let out = Out {
+            ptr: unsafe { p.out.at(g0, 0) },
+            groups,
+            ..p.out
+        };
+        task(a, p.w, g0, out)
     });
     drop(parts);
     for ((w, y), buf) in ws.iter().zip(ys.iter_mut()).zip(&bufs) {
         if buf.is_empty() {
             continue;
         }
-        let n = w.rows;
-        for (g, gb) in buf.chunks_exact(GROUP * m).enumerate() {
-            let lanes = GROUP.min(n - g * GROUP);
-            for (r, v) in gb.chunks_exact(GROUP).enumerate() {
-                y[r * n + g * GROUP..][..lanes].copy_from_slice(&v[..lanes]);
-            }
+        let (n, ld) = (w.rows, w.groups() * GROUP);
+        for (yr, br) in y.chunks_exact_mut(n).zip(buf.chunks_exact(ld)) {
+            yr.copy_from_slice(&br[..n]);
         }
     }
 }
@@ -681,13 +713,15 @@ pub fn matmul_quantized_many(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: 
 mod portable {
     use super::*;
 
-    pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+    pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         let (m, k, nb) = (a.rows, a.cols, a.cols / BLOCK);
+        assert!(g0 + out.groups <= w.groups());
+        let mut og = vec![0.0f32; GROUP * m];
         let (f, st) = (w.format, stride(w.format));
         let c = offset(f) as i16;
         let mut wq = [[0i16; GROUP]; BLOCK];
         let (mut h0, mut h1) = ([0f32; GROUP], [0f32; GROUP]);
-        for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
+        for gi in 0..out.groups {
             og.fill(0.0);
             for b in 0..nb {
                 let blk = &w.data[((g0 + gi) * nb + b) * st..][..st];
@@ -748,6 +782,10 @@ mod portable {
                     }
                 }
             }
+            for (r, acc) in og.chunks_exact(GROUP).enumerate() {
+                // SAFETY: group gi of this task, row r < m.
+                unsafe { std::slice::from_raw_parts_mut(out.at(gi, r), GROUP) }.copy_from_slice(acc);
+            }
         }
     }
 }
@@ -762,8 +800,8 @@ macro_rules! avx256_variant {
             use super::*;
             use std::arch::x86_64::*;
 
-            pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
-                assert!(out.len() / (GROUP * a.rows) + g0 <= w.groups());
+            pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
+                assert!(g0 + out.groups <= w.groups());
                 const Q4_0: u8 = PackedFormat::Q4_0.tag();
                 const Q4_1: u8 = PackedFormat::Q4_1.tag();
                 const Q8_0: u8 = PackedFormat::Q8_0.tag();
@@ -785,15 +823,15 @@ macro_rules! avx256_variant {
             }
 
             #[target_feature(enable = $features)]
-            unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
+            unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
                 let m = a.rows;
-                for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
+                for gi in 0..out.groups {
                     let g = g0 + gi;
                     for h in 0..2 {
                         let mut r0 = 0;
                         while r0 < m {
                             let rows = (m - r0).min(TILE_ROWS);
-                            let o = og.as_mut_ptr().add(r0 * GROUP + 8 * h);
+                            let o = (out.at(gi, r0).add(8 * h), out.ld);
                             match rows {
                                 1 => tile::<F, 1>(a, w, g, h, r0, o),
                                 2 => tile::<F, 2>(a, w, g, h, r0, o),
@@ -822,7 +860,7 @@ macro_rules! avx256_variant {
             }
 
             /// Rows `r0 .. r0 + R` against half `h` (lanes `8h .. 8h + 8`) of group `g`; row `r`'s 8
-            /// outputs go to `out + r·16`.
+            /// outputs go to `out.0 + r·out.1`.
             #[target_feature(enable = $features)]
             #[inline]
             unsafe fn tile<const F: u8, const R: usize>(
@@ -831,7 +869,7 @@ macro_rules! avx256_variant {
                 g: usize,
                 h: usize,
                 r0: usize,
-                out: *mut f32,
+                out: (*mut f32, usize),
             ) {
                 let f = PackedFormat::from_tag(F);
                 let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
@@ -904,7 +942,7 @@ macro_rules! avx256_variant {
                     }
                 }
                 for (r, acc_r) in acc.iter().enumerate() {
-                    _mm256_storeu_ps(out.add(r * GROUP), *acc_r);
+                    _mm256_storeu_ps(out.0.add(r * out.1), *acc_r);
                 }
             }
 
@@ -970,8 +1008,8 @@ mod avx512vnni {
     use super::*;
     use std::arch::x86_64::*;
 
-    pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
-        assert!(out.len() / (GROUP * a.rows) + g0 <= w.groups());
+    pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
+        assert!(g0 + out.groups <= w.groups());
         const Q4_0: u8 = PackedFormat::Q4_0.tag();
         const Q4_1: u8 = PackedFormat::Q4_1.tag();
         const Q8_0: u8 = PackedFormat::Q8_0.tag();
@@ -992,28 +1030,40 @@ mod avx512vnni {
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-    unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: &mut [f32]) {
-        let m = a.rows;
-        for (gi, og) in out.chunks_exact_mut(GROUP * m).enumerate() {
-            let g = g0 + gi;
+    unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
+        let (m, groups) = (a.rows, out.groups);
+        // Two groups at a time: each activation broadcast feeds two dot products (a broadcast per dot
+        // product costs more than the multiply-adds it feeds); a last odd group alone.
+        let mut gi = 0;
+        while gi < groups {
+            let two = gi + 1 < groups;
             let mut r0 = 0;
             while r0 < m {
-                let rows = (m - r0).min(TILE_ROWS);
-                let o = og.as_mut_ptr().add(r0 * GROUP);
-                match rows {
-                    1 => tile::<F, 1>(a, w, g, r0, o),
-                    2 => tile::<F, 2>(a, w, g, r0, o),
-                    3 => tile::<F, 3>(a, w, g, r0, o),
-                    4 => tile::<F, 4>(a, w, g, r0, o),
-                    5 => tile::<F, 5>(a, w, g, r0, o),
-                    6 => tile::<F, 6>(a, w, g, r0, o),
-                    7 => tile::<F, 7>(a, w, g, r0, o),
-                    _ => tile::<F, 8>(a, w, g, r0, o),
+                let rows = (m - r0).min(if two { PAIR_ROWS } else { TILE_ROWS });
+                let og = [out.at(gi, r0), out.at((gi + 1).min(groups - 1), r0)];
+                let g = g0 + gi;
+                match (two, rows) {
+                    (true, 1) => tile::<F, 2, 1>(a, w, g, r0, og, out.ld),
+                    (true, 2) => tile::<F, 2, 2>(a, w, g, r0, og, out.ld),
+                    (true, 3) => tile::<F, 2, 3>(a, w, g, r0, og, out.ld),
+                    (true, _) => tile::<F, 2, 4>(a, w, g, r0, og, out.ld),
+                    (false, 1) => tile::<F, 1, 1>(a, w, g, r0, og, out.ld),
+                    (false, 2) => tile::<F, 1, 2>(a, w, g, r0, og, out.ld),
+                    (false, 3) => tile::<F, 1, 3>(a, w, g, r0, og, out.ld),
+                    (false, 4) => tile::<F, 1, 4>(a, w, g, r0, og, out.ld),
+                    (false, 5) => tile::<F, 1, 5>(a, w, g, r0, og, out.ld),
+                    (false, 6) => tile::<F, 1, 6>(a, w, g, r0, og, out.ld),
+                    (false, 7) => tile::<F, 1, 7>(a, w, g, r0, og, out.ld),
+                    (false, _) => tile::<F, 1, 8>(a, w, g, r0, og, out.ld),
                 }
                 r0 += rows;
             }
+            gi += if two { 2 } else { 1 };
         }
     }
+
+    /// Activation rows per tile of two groups.
+    const PAIR_ROWS: usize = 4;
 
     /// The 16 heads of head set `set` at `blk`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1026,82 +1076,101 @@ mod avx512vnni {
         }
     }
 
-    /// Rows `r0 .. r0 + R` against group `g`; row `r`'s 16 outputs go to `out + r·16`.
+    /// Rows `r0 .. r0 + R` against groups `g .. g + G`; row `r`'s 16 outputs of group `g + j` go to
+    /// `out[j] + r·ld`. Every output sees the same operations in the same order whatever `G` and `R`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn tile<const F: u8, const R: usize>(
+    #[allow(clippy::needless_range_loop)] // (row, group) index pairs over several arrays
+    unsafe fn tile<const F: u8, const G: usize, const R: usize>(
         a: &QuantRows,
         w: &PackedMatrix,
         g: usize,
         r0: usize,
-        out: *mut f32,
+        out: [*mut f32; 2],
+        ld: usize,
     ) {
         let f = PackedFormat::from_tag(F);
         let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
         let c = offset(f);
-        let mut acc = [_mm512_setzero_ps(); R];
-        let wg = w.data.as_ptr().add(g * nb * st);
+        let mut acc = [[_mm512_setzero_ps(); R]; G];
+        let wg: [*const u8; G] = std::array::from_fn(|j| w.data.as_ptr().add((g + j) * nb * st));
         let low = _mm512_set1_epi8(15);
         for b in 0..nb {
-            let blk = wg.add(b * st);
-            let q = blk.add(hb);
+            let blk: [*const u8; G] = std::array::from_fn(|j| wg[j].add(b * st));
             let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
             // Each sum starts at `-c·Σq` over its values; Q6_K's second half goes to `isum2`.
-            let mut isum = [_mm512_setzero_si512(); R];
-            let mut isum2 = [_mm512_setzero_si512(); R];
+            let mut isum = [[_mm512_setzero_si512(); R]; G];
+            let mut isum2 = [[_mm512_setzero_si512(); R]; G];
             for r in 0..R {
                 let ab = (r0 + r) * nb + b;
                 let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
-                if f.split() {
-                    isum[r] = _mm512_set1_epi32(-c * sum_lo);
-                    isum2[r] = _mm512_set1_epi32(-c * (sum - sum_lo));
-                } else {
-                    isum[r] = _mm512_set1_epi32(-c * sum);
+                for j in 0..G {
+                    if f.split() {
+                        isum[j][r] = _mm512_set1_epi32(-c * sum_lo);
+                        isum2[j][r] = _mm512_set1_epi32(-c * (sum - sum_lo));
+                    } else {
+                        isum[j][r] = _mm512_set1_epi32(-c * sum);
+                    }
                 }
             }
             if f.nibbles() {
                 for t in 0..4 {
-                    let v = _mm512_loadu_si512(q.add(64 * t).cast());
-                    let lo = _mm512_and_si512(v, low);
-                    let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
-                    for (r, s) in isum.iter_mut().enumerate() {
+                    let v: [__m512i; G] =
+                        std::array::from_fn(|j| _mm512_loadu_si512(blk[j].add(hb + 64 * t).cast()));
+                    let lo: [__m512i; G] = std::array::from_fn(|j| _mm512_and_si512(v[j], low));
+                    let hi: [__m512i; G] =
+                        std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), low));
+                    for r in 0..R {
                         let x0 = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
                         let x1 = _mm512_set1_epi32(xq(r).add(t + 4).read_unaligned());
-                        *s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(*s, lo, x0), hi, x1);
+                        for j in 0..G {
+                            isum[j][r] =
+                                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[j][r], lo[j], x0), hi[j], x1);
+                        }
                     }
                 }
             } else {
                 for t in 0..8 {
-                    let u = _mm512_loadu_si512(q.add(64 * t).cast());
+                    let u: [__m512i; G] =
+                        std::array::from_fn(|j| _mm512_loadu_si512(blk[j].add(hb + 64 * t).cast()));
                     let sums = if f.split() && t >= 4 {
                         &mut isum2
                     } else {
                         &mut isum
                     };
-                    for (r, s) in sums.iter_mut().enumerate() {
-                        *s = _mm512_dpbusd_epi32(*s, u, _mm512_set1_epi32(xq(r).add(t).read_unaligned()));
+                    for r in 0..R {
+                        let x = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
+                        for j in 0..G {
+                            sums[j][r] = _mm512_dpbusd_epi32(sums[j][r], u[j], x);
+                        }
                     }
                 }
             }
-            let h0 = heads(f, blk, 0);
-            let h1 = if f.two_heads() {
-                heads(f, blk, 1)
-            } else {
-                _mm512_setzero_ps()
-            };
-            for (r, acc_r) in acc.iter_mut().enumerate() {
-                let ab = (r0 + r) * nb + b;
-                let dx = _mm512_set1_ps(*a.d.get_unchecked(ab));
-                *acc_r = _mm512_fmadd_ps(_mm512_mul_ps(h0, dx), _mm512_cvtepi32_ps(isum[r]), *acc_r);
-                if f.split() {
-                    *acc_r = _mm512_fmadd_ps(_mm512_mul_ps(h1, dx), _mm512_cvtepi32_ps(isum2[r]), *acc_r);
-                } else if f.two_heads() {
-                    *acc_r = _mm512_fmadd_ps(h1, _mm512_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
+            for j in 0..G {
+                let h0 = heads(f, blk[j], 0);
+                let h1 = if f.two_heads() {
+                    heads(f, blk[j], 1)
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for r in 0..R {
+                    let ab = (r0 + r) * nb + b;
+                    let dx = _mm512_set1_ps(*a.d.get_unchecked(ab));
+                    let acc_r = &mut acc[j][r];
+                    *acc_r = _mm512_fmadd_ps(_mm512_mul_ps(h0, dx), _mm512_cvtepi32_ps(isum[j][r]), *acc_r);
+                    if f.split() {
+                        *acc_r =
+                            _mm512_fmadd_ps(_mm512_mul_ps(h1, dx), _mm512_cvtepi32_ps(isum2[j][r]), *acc_r);
+                    } else if f.two_heads() {
+                        *acc_r = _mm512_fmadd_ps(h1, _mm512_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
+                    }
                 }
             }
         }
-        for (r, acc_r) in acc.iter().enumerate() {
-            _mm512_storeu_ps(out.add(r * GROUP), *acc_r);
+        for j in 0..G {
+            for r in 0..R {
+                _mm512_storeu_ps(out[j].add(r * ld), acc[j][r]);
+            }
         }
     }
 }
