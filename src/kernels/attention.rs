@@ -47,7 +47,7 @@ const DIM_CHUNK: usize = 64;
 /// are taken at -87 (about 1.6e-38, beside a maximum of 1). Only fused multiply-adds, multiplies, adds
 /// and integer bit operations: the same bits in every build.
 #[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
+pub(crate) fn exp_nonpositive(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;

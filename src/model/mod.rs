@@ -231,7 +231,11 @@ impl Transformer {
         let x = (x + l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
-        let gated = (candle_nn::ops::silu(&gate)? * up)?;
+        let gated = if self.device.is_cpu() && self.dtype == DType::F32 {
+            crate::kernels::swiglu_f32(&gate, &up)?
+        } else {
+            (candle_nn::ops::silu(&gate)? * up)?
+        };
         Ok((x + l.down_proj.forward(&gated)?)?)
     }
 
