@@ -39,6 +39,9 @@ pub enum Visibility<'a> {
 const LANES: usize = 16;
 /// Keys scored together: 8 independent 16-lane chains hide the fused multiply-add latency.
 const KEY_CHUNK: usize = 64;
+/// (Row, head) slots accumulated together in step 5: 4 x 64 f32 accumulators fill 16 vector registers.
+const VALUE_SLOTS: usize = 4;
+
 /// Head dimensions accumulated together in step 5 (per pass over the visible keys).
 const DIM_CHUNK: usize = 64;
 
@@ -155,9 +158,6 @@ struct Problem<'a> {
     tile: usize,
 }
 
-/// One head of a row in step 5: its outputs, its weights `p_t`, and `1 / Σ p_t`.
-type HeadOut<'a> = ((&'a mut [f32], &'a [f32]), &'a f32);
-
 /// Per-unit buffers.
 #[derive(Default)]
 struct Scratch {
@@ -165,9 +165,12 @@ struct Scratch {
     kt: Vec<f32>,
     /// Scores of one (row, head) over all keys.
     scores: Vec<f32>,
-    /// The row's visible list: key indices, then per head their `p_t` and `1 / Σ p_t`.
+    /// The tile's visible lists (row `ri`'s at `vis_start[ri] .. vis_start[ri + 1]`), then per
+    /// (row, head) slot its `p_t` (from `p_start[slot]`, one per visible key) and `1 / Σ p_t`.
     visible: Vec<u32>,
+    vis_start: Vec<usize>,
     p: Vec<f32>,
+    p_start: Vec<usize>,
     inv: Vec<f32>,
 }
 
@@ -224,30 +227,36 @@ impl Problem<'_> {
             &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
         };
         for j0 in (0..kp).step_by(KEY_CHUNK) {
-            // Two slots at a time: each key chunk loaded once, twice the independent chains.
-            let mut store = |slot: usize, chunk: &[f32; KEY_CHUNK]| {
-                s.scores[slot * kp + j0..][..KEY_CHUNK].copy_from_slice(chunk);
-            };
-            for slot in (0..slots).step_by(2) {
+            // Two slots at a time: each key chunk loaded once for both, 2 x 4 independent chains (four
+            // slots measured slower).
+            let mut slot = 0;
+            while slot < slots {
+                let scores = &mut s.scores[slot * kp + j0..];
                 if slot + 1 < slots {
-                    let [a, b] = score_chunk([q(slot), q(slot + 1)], &s.kt, kp, j0);
-                    store(slot, &a);
-                    store(slot + 1, &b);
+                    score_slots::<2>([q(slot), q(slot + 1)], &s.kt, kp, j0, scores);
+                    slot += 2;
                 } else {
-                    let [a] = score_chunk([q(slot)], &s.kt, kp, j0);
-                    store(slot, &a);
+                    score_slots::<1>([q(slot)], &s.kt, kp, j0, scores);
+                    slot += 1;
                 }
             }
         }
-        for (ri, r) in rows.enumerate() {
-            s.visible.clear();
+        // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
+        s.visible.clear();
+        s.vis_start.clear();
+        s.p.clear();
+        s.p_start.clear();
+        s.inv.clear();
+        for (ri, r) in rows.clone().enumerate() {
+            let v0 = s.visible.len();
+            s.vis_start.push(v0);
             match self.vis {
                 Visibility::Causal { offset } => s.visible.extend(0..(offset + r + 1).min(keys) as u32),
                 Visibility::Additive(m) => {
                     // Branch-free: every key is written, and the count moves past the visible ones.
                     let m = &m[r * keys..(r + 1) * keys];
-                    s.visible.resize(seen, 0);
-                    let mut n = 0;
+                    s.visible.resize(v0 + seen, 0);
+                    let mut n = v0;
                     for (j, &bias) in m[..seen].iter().enumerate() {
                         s.visible[n] = j as u32;
                         n += usize::from(bias != f32::NEG_INFINITY);
@@ -255,47 +264,50 @@ impl Problem<'_> {
                     s.visible.truncate(n);
                 }
             }
-            // SAFETY: row r's heads of this group are written by this unit only.
-            let o = unsafe { out.range((r * heads + kvh * group) * hd, group * hd) };
-            o.fill(0.0);
-            if s.visible.is_empty() {
-                continue;
-            }
-            let nv = s.visible.len();
-            s.p.clear();
-            s.p.resize(group * nv, 0.0);
-            s.inv.clear();
+            let visible = &s.visible[v0..];
             for g in 0..group {
                 let scores = &s.scores[(ri * group + g) * kp..][..kp];
-                let p = &mut s.p[g * nv..(g + 1) * nv];
+                let p0 = s.p.len();
+                s.p_start.push(p0);
                 match self.vis {
                     Visibility::Causal { .. } => {
-                        for (pt, &j) in p.iter_mut().zip(&s.visible) {
-                            *pt = scores[j as usize] * self.scale;
-                        }
+                        s.p.extend(visible.iter().map(|&j| scores[j as usize] * self.scale))
                     }
                     Visibility::Additive(m) => {
                         let m = &m[r * keys..];
-                        for (pt, &j) in p.iter_mut().zip(&s.visible) {
-                            *pt = scores[j as usize] * self.scale + m[j as usize];
-                        }
+                        s.p.extend(visible.iter().map(|&j| scores[j as usize] * self.scale + m[j as usize]))
                     }
                 }
+                let p = &mut s.p[p0..];
                 let max = lane_max(p);
                 for x in p.iter_mut() {
                     *x = exp_nonpositive(*x - max);
                 }
-                s.inv.push(1.0 / lane_sum(p));
+                s.inv.push(if p.is_empty() { 0.0 } else { 1.0 / lane_sum(p) });
             }
-            // Two heads at a time: twice the independent accumulation chains.
-            let mut heads = o.chunks_exact_mut(hd).zip(s.p.chunks_exact(nv)).zip(&s.inv);
-            loop {
-                match (heads.next(), heads.next()) {
-                    (Some(a), Some(b)) => self.weighted_values(kvh, &s.visible, [a, b]),
-                    (Some(a), None) => self.weighted_values(kvh, &s.visible, [a]),
-                    _ => break,
-                }
+        }
+        s.vis_start.push(s.visible.len());
+        // The leading keys 0 .. shared that every row of the tile sees (all cached keys, in a block
+        // over a cache): one pass over their values serves every (row, head) of the tile.
+        let shared = (0..rows.len())
+            .map(|ri| {
+                let v = &s.visible[s.vis_start[ri]..s.vis_start[ri + 1]];
+                v.iter().enumerate().take_while(|&(t, &j)| j as usize == t).count()
+            })
+            .min()
+            .unwrap_or(0);
+        // Step 5 for the tile's (row, head) slots, a few at a time.
+        let slots = rows.len() * group;
+        let mut slot0 = 0;
+        while slot0 < slots {
+            let n = (slots - slot0).min(VALUE_SLOTS);
+            match n {
+                1 => self.weighted_values::<1>(kvh, rows.start, slot0, shared, s, out),
+                2 => self.weighted_values::<2>(kvh, rows.start, slot0, shared, s, out),
+                3 => self.weighted_values::<3>(kvh, rows.start, slot0, shared, s, out),
+                _ => self.weighted_values::<4>(kvh, rows.start, slot0, shared, s, out),
             }
+            slot0 += n;
         }
     }
 
@@ -342,49 +354,78 @@ impl Problem<'_> {
         }
     }
 
-    /// `o_h = (Σ_t p_ht · v_{visible[t]}) · inv_h` (step 5) for N heads, each given as its outputs, its
-    /// weights `p_h` and `inv_h`: a fused multiply-add chain per element in visible order, then one
-    /// multiply.
+    /// Step 5 for the N (row, head) slots from `slot0` of the tile whose first row is `row0` (slot
+    /// `ri · group + g`): `o = (Σ_t p_t · v_{visible[t]}) · inv`, one fused multiply-add chain per output
+    /// element in visible order, then one multiply. The first `shared` visible keys are the same keys
+    /// 0 .. shared for every slot, so their values are read once for all N; each slot then continues
+    /// its own chain over the rest of its list.
     #[inline(always)]
-    fn weighted_values<const N: usize>(&self, kvh: usize, visible: &[u32], mut heads: [HeadOut<'_>; N]) {
-        let hd = self.hd;
+    fn weighted_values<const N: usize>(
+        &self,
+        kvh: usize,
+        row0: usize,
+        slot0: usize,
+        shared: usize,
+        s: &Scratch,
+        out: &super::pool::SharedMut<f32>,
+    ) {
+        let (hd, group) = (self.hd, self.heads / self.kv_heads);
+        let ri = |i: usize| (slot0 + i) / group;
+        let visible = |i: usize| &s.visible[s.vis_start[ri(i)]..s.vis_start[ri(i) + 1]];
+        let p: [&[f32]; N] = std::array::from_fn(|i| {
+            let start = s.p_start[slot0 + i];
+            &s.p[start..start + visible(i).len()]
+        });
+        let keys = &visible(0)[..shared];
         for d0 in (0..hd).step_by(DIM_CHUNK) {
+            let n = DIM_CHUNK.min(hd - d0);
+            let mut acc = [[0.0f32; DIM_CHUNK]; N];
             // A whole chunk has a constant width, so its accumulators stay in registers.
-            let acc = if hd - d0 >= DIM_CHUNK {
-                self.accumulate::<N>(kvh, visible, &heads, d0, DIM_CHUNK)
+            if n == DIM_CHUNK {
+                self.accumulate::<N>(kvh, keys, p, d0, DIM_CHUNK, &mut acc);
             } else {
-                self.accumulate::<N>(kvh, visible, &heads, d0, hd - d0)
-            };
-            for (a, ((o, _), &inv)) in acc.iter().zip(heads.iter_mut()) {
-                for (x, &y) in o[d0..].iter_mut().zip(a) {
+                self.accumulate::<N>(kvh, keys, p, d0, n, &mut acc);
+            }
+            for (i, a) in acc.iter_mut().enumerate() {
+                let rest = &visible(i)[shared..];
+                let one: &mut [[f32; DIM_CHUNK]; 1] = std::slice::from_mut(a).try_into().unwrap();
+                self.accumulate::<1>(kvh, rest, [&p[i][shared..]], d0, n, one);
+                let (r, g) = (row0 + ri(i), (slot0 + i) % group);
+                // SAFETY: row r's head g of this group is written by this unit only.
+                let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
+                let inv = s.inv[slot0 + i];
+                for (x, &y) in o.iter_mut().zip(&a[..n]) {
                     *x = y * inv;
                 }
             }
         }
     }
 
-    /// `Σ_t p_ht · v_{visible[t]}[d0 .. d0 + n]` for each head (`n <= DIM_CHUNK`; the rest of each
-    /// accumulator stays 0).
+    /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= DIM_CHUNK`).
     #[inline(always)]
     fn accumulate<const N: usize>(
         &self,
         kvh: usize,
-        visible: &[u32],
-        heads: &[HeadOut<'_>; N],
+        keys: &[u32],
+        p: [&[f32]; N],
         d0: usize,
         n: usize,
-    ) -> [[f32; DIM_CHUNK]; N] {
-        let mut acc = [[0.0f32; DIM_CHUNK]; N];
-        for (t, &j) in visible.iter().enumerate() {
+        acc: &mut [[f32; DIM_CHUNK]; N],
+    ) {
+        // A local copy, so that the accumulators stay in registers (a store through `acc` would be
+        // observable if a bounds check panicked); `p` cut to the keys so that its checks go.
+        let mut local = *acc;
+        let p: [&[f32]; N] = p.map(|pi| &pi[..keys.len()]);
+        for (t, &j) in keys.iter().enumerate() {
             let v = &self.vd[j as usize * self.row_stride + self.hd * kvh + d0..][..n];
-            for (a, ((_, p), _)) in acc.iter_mut().zip(heads) {
-                let pt = p[t];
+            for (a, pi) in local.iter_mut().zip(&p) {
+                let pt = pi[t];
                 for l in 0..n {
                     a[l] = pt.mul_add(v[l], a[l]);
                 }
             }
         }
-        acc
+        *acc = local;
     }
 }
 
@@ -404,6 +445,14 @@ fn score_chunk<const N: usize>(q: [&[f32]; N], kt: &[f32], kp: usize, j0: usize)
         }
     }
     acc
+}
+
+/// [`score_chunk`] for N consecutive slots, slot `i`'s scores written at `scores[i · kp ..]`.
+#[inline(always)]
+fn score_slots<const N: usize>(q: [&[f32]; N], kt: &[f32], kp: usize, j0: usize, scores: &mut [f32]) {
+    for (i, chunk) in score_chunk(q, kt, kp, j0).iter().enumerate() {
+        scores[i * kp..][..KEY_CHUNK].copy_from_slice(chunk);
+    }
 }
 
 /// An 8 x 8 block transposed: `to[d · to_stride + j] = from[j · from_stride + d]`.
