@@ -275,7 +275,11 @@ impl Problem<'_> {
                     }
                     Visibility::Additive(m) => {
                         let m = &m[r * keys..];
-                        s.p.extend(visible.iter().map(|&j| scores[j as usize] * self.scale + m[j as usize]))
+                        s.p.extend(
+                            visible
+                                .iter()
+                                .map(|&j| scores[j as usize] * self.scale + m[j as usize]),
+                        )
                     }
                 }
                 let p = &mut s.p[p0..];
@@ -292,7 +296,10 @@ impl Problem<'_> {
         let shared = (0..rows.len())
             .map(|ri| {
                 let v = &s.visible[s.vis_start[ri]..s.vis_start[ri + 1]];
-                v.iter().enumerate().take_while(|&(t, &j)| j as usize == t).count()
+                v.iter()
+                    .enumerate()
+                    .take_while(|&(t, &j)| j as usize == t)
+                    .count()
             })
             .min()
             .unwrap_or(0);

@@ -224,8 +224,17 @@ impl Transformer {
             Some(n) => n.forward(&k)?,
             None => k,
         };
-        let q = candle_nn::rotary_emb::rope_thd(&q.contiguous()?, cos, sin)?;
-        let k = candle_nn::rotary_emb::rope_thd(&k.contiguous()?, cos, sin)?;
+        let (q, k) = if self.device.is_cpu() && self.dtype == DType::F32 {
+            (
+                crate::kernels::rope_f32(&q, cos, sin)?,
+                crate::kernels::rope_f32(&k, cos, sin)?,
+            )
+        } else {
+            (
+                candle_nn::rotary_emb::rope_thd(&q.contiguous()?, cos, sin)?,
+                candle_nn::rotary_emb::rope_thd(&k.contiguous()?, cos, sin)?,
+            )
+        };
         let (k_all, v_all) = cache.write(layer_idx, &k, &v.contiguous()?)?;
         let attn = self.attention(&q, &k_all, &v_all, mask, cache.len())?;
         let x = (x + l.o_proj.forward(&attn)?)?;
