@@ -34,6 +34,9 @@ impl RmsNorm {
 
     /// Normalises over the last dimension, whatever the leading shape.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cpu() && x.dtype() == DType::F32 && self.weight.dtype() == DType::F32 {
+            return Ok(crate::kernels::rms_norm_f32(x, &self.weight, self.eps)?);
+        }
         Ok(candle_nn::ops::rms_norm(
             &x.contiguous()?,
             &self.weight,
