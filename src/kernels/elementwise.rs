@@ -18,6 +18,15 @@ pub(crate) use super::attention::exp_nonpositive;
 /// large enough that a hand-off (about a microsecond) is a small share of a task.
 const CHUNK: usize = 4096;
 
+/// `kernel: a [..], b [..] do not fit`: the error of tensors whose shapes a kernel cannot take.
+fn shapes_error(kernel: &str, tensors: &[(&str, &Tensor)]) -> candle_core::Error {
+    let shapes: Vec<String> = tensors
+        .iter()
+        .map(|(n, t)| format!("{n} {:?}", t.dims()))
+        .collect();
+    candle_core::Error::Msg(format!("{kernel}: {} do not fit", shapes.join(", ")))
+}
+
 /// `silu(g) · u = g · u / (1 + e^-g)`, with the exponential taken of `-|g|` so that it never overflows.
 #[inline(always)]
 fn silu_mul(g: f32, u: f32) -> f32 {
@@ -84,11 +93,7 @@ pub fn swiglu_f32(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     super::check_f32_cpu(gate, "swiglu")?;
     super::check_f32_cpu(up, "swiglu")?;
     if gate.shape() != up.shape() {
-        return Err(candle_core::Error::Msg(format!(
-            "swiglu: gate {:?} and up {:?} differ in shape",
-            gate.dims(),
-            up.dims()
-        )));
+        return Err(shapes_error("swiglu", &[("gate", gate), ("up", up)]));
     }
     let mut out = vec![0.0f32; gate.elem_count()];
     super::with_f32(gate, |g| {
@@ -111,12 +116,7 @@ pub fn rope_f32(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     }
     let (b, rows, heads, d) = x.dims4()?;
     if b != 1 || d % 2 != 0 || cos.dims() != [rows, d / 2] || sin.dims() != [rows, d / 2] {
-        return Err(candle_core::Error::Msg(format!(
-            "rope: x {:?} with cos {:?} and sin {:?}",
-            x.dims(),
-            cos.dims(),
-            sin.dims()
-        )));
+        return Err(shapes_error("rope", &[("x", x), ("cos", cos), ("sin", sin)]));
     }
     let half = d / 2;
     let mut out = vec![0.0f32; x.elem_count()];
@@ -220,11 +220,7 @@ pub fn rms_norm_f32(x: &Tensor, w: &Tensor, eps: f32) -> Result<Tensor> {
     super::check_f32_cpu(w, "rms_norm")?;
     let d = w.elem_count();
     if x.dims().last() != Some(&d) || w.rank() != 1 {
-        return Err(candle_core::Error::Msg(format!(
-            "rms_norm: x {:?} with weight {:?}",
-            x.dims(),
-            w.dims()
-        )));
+        return Err(shapes_error("rms_norm", &[("x", x), ("weight", w)]));
     }
     let mut out = vec![0.0f32; x.elem_count()];
     super::with_f32(x, |xs| {
@@ -246,11 +242,15 @@ mod tests {
         v
     }
 
+    /// Gate and up values of one seed.
+    fn gate_up(seed: u64, n: usize) -> (Vec<f32>, Vec<f32>) {
+        let mut rng = StdRng::seed_from_u64(seed);
+        (values(&mut rng, n), values(&mut rng, n))
+    }
+
     #[test]
     fn matches_silu_in_f64() {
-        let mut rng = StdRng::seed_from_u64(7);
-        let n = 3 * CHUNK + 17;
-        let (g, u) = (values(&mut rng, n), values(&mut rng, n));
+        let (n, (g, u)) = (3 * CHUNK + 17, gate_up(7, 3 * CHUNK + 17));
         let mut out = vec![0.0; n];
         swiglu_slices_with(Width::best(), &g, &u, &mut out);
         for i in 0..n {
@@ -269,9 +269,7 @@ mod tests {
 
     #[test]
     fn every_width_gives_the_same_bits() {
-        let mut rng = StdRng::seed_from_u64(8);
-        let n = 2 * CHUNK + 5;
-        let (g, u) = (values(&mut rng, n), values(&mut rng, n));
+        let (n, (g, u)) = (2 * CHUNK + 5, gate_up(8, 2 * CHUNK + 5));
         let mut want = vec![0.0; n];
         swiglu_slices_with(Width::Portable, &g, &u, &mut want);
         for width in Width::ALL.into_iter().filter(|w| w.available()) {
