@@ -1104,32 +1104,26 @@ mod avx512vnni {
     unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         let (m, groups) = (a.rows, out.groups);
         // Two groups at a time: each activation broadcast feeds two dot products (a broadcast per dot
-        // product costs more than the multiply-adds it feeds); a last odd group alone.
+        // product costs more than the multiply-adds it feeds); a last odd group alone. Tiles of up to 8
+        // rows either way (two groups: 16 integer and 16 f32 accumulators); against 4 rows for two groups,
+        // on one thread (q8matmul::tests::timing): 1536 x 576 Q4_1 at 8 rows 54 -> 47 µs, 32 rows 222 ->
+        // 162 µs; the 49152 x 576 Q8_0 vocabulary at 8 rows 1.88 -> 1.40 ms.
         let mut gi = 0;
         while gi < groups {
             let two = gi + 1 < groups;
             let mut r0 = 0;
             while r0 < m {
-                let rows = (m - r0).min(if two { PAIR_ROWS } else { TILE_ROWS });
-                let og = [out.at(gi, r0), out.at((gi + 1).min(groups - 1), r0)];
-                let g = g0 + gi;
-                match (two, rows) {
-                    (true, 1) => tile::<F, 2, 1>(a, w, g, r0, og, out.ld),
-                    (true, 2) => tile::<F, 2, 2>(a, w, g, r0, og, out.ld),
-                    (true, 3) => tile::<F, 2, 3>(a, w, g, r0, og, out.ld),
-                    (true, 4) => tile::<F, 2, 4>(a, w, g, r0, og, out.ld),
-                    (true, 5) => tile::<F, 2, 5>(a, w, g, r0, og, out.ld),
-                    (true, 6) => tile::<F, 2, 6>(a, w, g, r0, og, out.ld),
-                    (true, 7) => tile::<F, 2, 7>(a, w, g, r0, og, out.ld),
-                    (true, _) => tile::<F, 2, 8>(a, w, g, r0, og, out.ld),
-                    (false, 1) => tile::<F, 1, 1>(a, w, g, r0, og, out.ld),
-                    (false, 2) => tile::<F, 1, 2>(a, w, g, r0, og, out.ld),
-                    (false, 3) => tile::<F, 1, 3>(a, w, g, r0, og, out.ld),
-                    (false, 4) => tile::<F, 1, 4>(a, w, g, r0, og, out.ld),
-                    (false, 5) => tile::<F, 1, 5>(a, w, g, r0, og, out.ld),
-                    (false, 6) => tile::<F, 1, 6>(a, w, g, r0, og, out.ld),
-                    (false, 7) => tile::<F, 1, 7>(a, w, g, r0, og, out.ld),
-                    (false, _) => tile::<F, 1, 8>(a, w, g, r0, og, out.ld),
+                let rows = (m - r0).min(TILE_ROWS);
+                let at = At {
+                    g: g0 + gi,
+                    r0,
+                    out: [out.at(gi, r0), out.at((gi + 1).min(groups - 1), r0)],
+                    ld: out.ld,
+                };
+                if two {
+                    tile_of::<F, 2>(rows, a, w, at);
+                } else {
+                    tile_of::<F, 1>(rows, a, w, at);
                 }
                 r0 += rows;
             }
@@ -1137,10 +1131,31 @@ mod avx512vnni {
         }
     }
 
-    /// Activation rows per tile of two groups: 16 integer and 16 f32 accumulators. Measured on one
-    /// thread against 4 rows (q8matmul::tests::timing): 1536 x 576 Q4_1 at 8 rows 54 -> 47 µs, 32 rows
-    /// 222 -> 162 µs; the 49152 x 576 Q8_0 vocabulary at 8 rows 1.88 -> 1.40 ms.
-    const PAIR_ROWS: usize = 8;
+    /// Where a tile works: groups from `g`, rows from `r0`; row `r`'s 16 outputs of group `g + j` go
+    /// to `out[j] + r·ld`.
+    #[derive(Clone, Copy)]
+    struct At {
+        g: usize,
+        r0: usize,
+        out: [*mut f32; 2],
+        ld: usize,
+    }
+
+    /// [`tile`] for `rows` (1 ..= 8) rows.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn tile_of<const F: u8, const G: usize>(rows: usize, a: &QuantRows, w: &PackedMatrix, at: At) {
+        match rows {
+            1 => tile::<F, G, 1>(a, w, at),
+            2 => tile::<F, G, 2>(a, w, at),
+            3 => tile::<F, G, 3>(a, w, at),
+            4 => tile::<F, G, 4>(a, w, at),
+            5 => tile::<F, G, 5>(a, w, at),
+            6 => tile::<F, G, 6>(a, w, at),
+            7 => tile::<F, G, 7>(a, w, at),
+            _ => tile::<F, G, 8>(a, w, at),
+        }
+    }
 
     /// The 16 heads of head set `set` at `blk`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1153,19 +1168,13 @@ mod avx512vnni {
         }
     }
 
-    /// Rows `r0 .. r0 + R` against groups `g .. g + G`; row `r`'s 16 outputs of group `g + j` go to
-    /// `out[j] + r·ld`. Every output sees the same operations in the same order whatever `G` and `R`.
+    /// Rows `at.r0 .. + R` against groups `at.g .. + G` (see [`At`]). Every output sees the same
+    /// operations in the same order whatever `G` and `R`.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
     #[allow(clippy::needless_range_loop)] // (row, group) index pairs over several arrays
-    unsafe fn tile<const F: u8, const G: usize, const R: usize>(
-        a: &QuantRows,
-        w: &PackedMatrix,
-        g: usize,
-        r0: usize,
-        out: [*mut f32; 2],
-        ld: usize,
-    ) {
+    unsafe fn tile<const F: u8, const G: usize, const R: usize>(a: &QuantRows, w: &PackedMatrix, at: At) {
+        let At { g, r0, out, ld } = at;
         let f = PackedFormat::from_tag(F);
         let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
         let c = offset(f);
