@@ -110,7 +110,7 @@ impl Session {
         let cost_store = CurveStore::new(CurveKey::new(
             &model_id,
             opts.device.name(),
-            &format!("{dtype:?}").to_lowercase(),
+            dtype.as_str(),
             activations,
         ));
         cost_cache::attach(&loaded.model, cost_store.clone());

@@ -84,7 +84,7 @@ pub fn run(a: &CostOptions) -> Result<()> {
     }
     let points = cost_curve(&model, &a.cache, &a.rows, a.repeats)?;
     let device = format!("{:?}", model.device.location());
-    let dtype = format!("{:?}", model.dtype).to_lowercase();
+    let dtype = model.dtype.as_str();
     let mut text = String::new();
     if a.json {
         let v = serde_json::json!({ "model": name, "device": device, "dtype": dtype,

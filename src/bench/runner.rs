@@ -316,7 +316,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         );
     }
     settings.model_description = loaded.description.clone();
-    settings.dtype = format!("{:?}", loaded.model.dtype).to_lowercase();
+    settings.dtype = loaded.model.dtype.as_str().to_string();
     check(&settings, &["questions_file"])?;
 
     // Resume: keep finished conversations, drop a half-written line and half-done conversations.

@@ -98,11 +98,6 @@ impl Chooser {
         }
     }
 
-    pub fn curve(&self) -> &CostCurve {
-        &self.curve
-    }
-
-    /// Expected committed tokens per second of `offer` after `context` cached tokens.
     /// Accepted over promised drafted tokens so far, over every block (1 before any evidence).
     pub fn calibration(&self) -> f64 {
         (self.accepted / self.promised).clamp(0.05, 2.0)
@@ -130,6 +125,7 @@ impl Chooser {
         }
     }
 
+    /// Expected committed tokens per second of `offer` after `context` cached tokens.
     pub fn rate(&self, offer: Offer, context: usize) -> f64 {
         let offer = Offer {
             tokens: 1.0 + self.calibration_at(offer.rows) * (offer.tokens - 1.0).max(0.0),
@@ -254,6 +250,12 @@ pub fn chain_rates(n: usize, rate: impl Fn(usize) -> Option<Rate>) -> Vec<f64> {
         out.push(rate(d).map_or(prior, |r| r.toward(prior)));
     }
     out
+}
+
+/// The last of [`chain_rates`]`(n, rate)` (`n >= 1`), without building the list: what a node at depth
+/// `n` is scored with.
+pub fn chain_rate(n: usize, rate: impl Fn(usize) -> Option<Rate>) -> f64 {
+    (1..=n).fold(0.5, |prior, d| rate(d).map_or(prior, |r| r.toward(prior)))
 }
 
 /// A learnt acceptance rate: accepted / proposed, each starting from a pseudo-count (the prior).

@@ -62,12 +62,9 @@ impl CurveKey {
         }
     }
 
-    /// A stable 64-bit FNV-1a hash of the key, for the file name.
-    fn hash(&self) -> u64 {
-        let text = serde_json::to_string(self).unwrap_or_default();
-        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
-        })
+    /// A stable 64-bit FNV-1a hash of the key, in hex, for the file name.
+    fn hash(&self) -> String {
+        crate::bench::questions::fnv1a_hex(serde_json::to_string(self).unwrap_or_default().as_bytes())
     }
 }
 
@@ -156,7 +153,7 @@ impl CurveStore {
 
     pub fn in_dir(dir: &Path, key: CurveKey) -> Self {
         CurveStore {
-            path: dir.join(format!("{:016x}.json", key.hash())),
+            path: dir.join(format!("{}.json", key.hash())),
             key,
         }
     }

@@ -91,16 +91,22 @@ fn lane_max(x: &[f32]) -> f32 {
 /// `Σ x` in 16 lanes by position, then a fixed tree (step 4).
 #[inline(always)]
 fn lane_sum(x: &[f32]) -> f32 {
+    lane_sum_by(x, |v| v)
+}
+
+/// `Σ f(x)` in 16 lanes by position, then a fixed tree: vectorises, and the same bits at every width.
+#[inline(always)]
+pub(crate) fn lane_sum_by(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let mut acc = [0.0f32; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
     for c in chunks {
         for l in 0..LANES {
-            acc[l] += c[l];
+            acc[l] += f(c[l]);
         }
     }
-    for (l, v) in tail.iter().enumerate() {
-        acc[l] += v;
+    for (l, &v) in tail.iter().enumerate() {
+        acc[l] += f(v);
     }
     let v8: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[i + 8]);
     let v4: [f32; 4] = std::array::from_fn(|i| v8[i] + v8[i + 4]);
@@ -125,10 +131,12 @@ impl Width {
 
     pub fn available(self) -> bool {
         match self {
+            // The features the width's code is built with (`avx512f,avx512vl,avx2,fma` / `avx2,fma`),
+            // as the matrix kernels detect them.
             #[cfg(target_arch = "x86_64")]
-            Width::W512 => is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("fma"),
+            Width::W512 => super::Isa::Avx512.available(),
             #[cfg(target_arch = "x86_64")]
-            Width::W256 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            Width::W256 => super::Isa::Avx2.available(),
             Width::Portable => true,
             #[allow(unreachable_patterns)]
             _ => false,
@@ -593,7 +601,8 @@ pub fn attention_f32_with(
         }
     }
     let q = q.contiguous()?;
-    let qv = q.flatten_all()?.to_vec1::<f32>()?;
+    let (qg, ql) = q.storage_and_layout();
+    let qv = &super::cpu_f32(&qg, ql.start_offset())?[..rows * heads * hd];
     let (kg, kl) = k.storage_and_layout();
     let (vg, vl) = v.storage_and_layout();
     // Keys and values are read row by row: each [kv_heads, hd] row must be contiguous.
@@ -615,7 +624,7 @@ pub fn attention_f32_with(
         .div_ceil(kv_heads)
         .clamp(1, (rows / 4).max(1));
     let problem = Problem {
-        qv: &qv,
+        qv,
         kd,
         vd,
         vis,

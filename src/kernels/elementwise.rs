@@ -143,32 +143,12 @@ pub fn rope_f32(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, x.shape(), x.device())
 }
 
-/// `Σ x²` in 16 lanes by position, then a fixed tree (as attention's sums): vectorises, and the same
-/// bits at every width.
-#[inline(always)]
-fn sum_of_squares(x: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 16];
-    let chunks = x.chunks_exact(16);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..16 {
-            acc[l] += c[l] * c[l];
-        }
-    }
-    for (l, v) in tail.iter().enumerate() {
-        acc[l] += v * v;
-    }
-    let v8: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[i + 8]);
-    let v4: [f32; 4] = std::array::from_fn(|i| v8[i] + v8[i + 4]);
-    (v4[0] + v4[2]) + (v4[1] + v4[3])
-}
-
 /// Each row `x` of `xs` (rows of `w.len()`) as `x / sqrt(mean(x²) + eps) · w` into `out`.
 #[inline(always)]
 fn rms_rows(xs: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
     let d = w.len();
     for (x, y) in xs.chunks_exact(d).zip(out.chunks_exact_mut(d)) {
-        let m = (sum_of_squares(x) / d as f32 + eps).sqrt();
+        let m = (super::attention::lane_sum_by(x, |v| v * v) / d as f32 + eps).sqrt();
         for ((y, &x), &w) in y.iter_mut().zip(x).zip(w) {
             *y = x / m * w;
         }

@@ -547,26 +547,25 @@ struct Blocks<'a> {
     s: &'a mut [f32],
 }
 
-/// [`quantize_blocks`] built for the widest vectors the CPU has (the same IEEE operations: the same
-/// bits).
+/// [`quantize_blocks`] built for the widest vectors the CPU has ([`Width::best`], detected once; the
+/// same IEEE operations: the same bits).
 fn quantize_blocks_with(x: &[f32], out: Blocks) {
     #[cfg(target_arch = "x86_64")]
     {
-        #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+        use super::attention::Width;
+        #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
         unsafe fn wide(x: &[f32], out: Blocks) {
             quantize_blocks(x, out)
         }
-        #[target_feature(enable = "avx2")]
+        #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2(x: &[f32], out: Blocks) {
             quantize_blocks(x, out)
         }
-        if is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
-            // SAFETY: the features were just detected.
-            return unsafe { wide(x, out) };
-        }
-        if is_x86_feature_detected!("avx2") {
-            // SAFETY: as above.
-            return unsafe { avx2(x, out) };
+        match Width::best() {
+            // SAFETY: `Width::best` only names a width the CPU has.
+            Width::W512 => return unsafe { wide(x, out) },
+            Width::W256 => return unsafe { avx2(x, out) },
+            Width::Portable => {}
         }
     }
     quantize_blocks(x, out)
@@ -767,7 +766,6 @@ pub fn matmul_quantized_many(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: 
         };
         task(a, p.w, g0, out)
     });
-    drop(parts);
     for ((w, y), buf) in ws.iter().zip(ys.iter_mut()).zip(&bufs) {
         if buf.is_empty() {
             continue;

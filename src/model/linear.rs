@@ -53,10 +53,7 @@ impl Linear {
                 let dt = x.dtype();
                 crate::kernels::linear_blocks(&x.to_dtype(DType::F32)?.contiguous()?, b)?.to_dtype(dt)?
             }
-            Weight::Packed(p) => {
-                let dt = x.dtype();
-                crate::kernels::linear_q8(&x.to_dtype(DType::F32)?.contiguous()?, p)?.to_dtype(dt)?
-            }
+            Weight::Packed(p) => q8_products(x, &[p])?.pop().expect("one product"),
             Weight::Quantized(q) => {
                 // Quantised kernels take f32 activations.
                 let dt = x.dtype();
@@ -79,16 +76,12 @@ impl Linear {
             })
             .collect();
         let ys: Vec<Tensor> = match packed {
-            Some(ws) if x.device().is_cpu() => {
-                let dt = x.dtype();
-                let ys = crate::kernels::linear_q8_many(&x.to_dtype(DType::F32)?, &ws)?;
-                linears
-                    .iter()
-                    .zip(ys)
-                    .map(|(l, y)| l.finish(y.to_dtype(dt)?))
-                    .collect::<Result<_>>()?
-            }
-            _ => linears.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
+            Some(ws) => q8_products(x, &ws)?
+                .into_iter()
+                .zip(linears)
+                .map(|(y, l)| l.finish(y))
+                .collect::<Result<_>>()?,
+            None => linears.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
         };
         Ok(ys.try_into().expect("one result per projection"))
     }
@@ -104,4 +97,13 @@ impl Linear {
             None => y,
         })
     }
+}
+
+/// `x · Wᵢᵀ` for packed matrices, with 8-bit activations (one quantisation of `x`), in `x`'s dtype.
+fn q8_products(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
+    let dt = x.dtype();
+    crate::kernels::linear_q8_many(&x.to_dtype(DType::F32)?, ws)?
+        .into_iter()
+        .map(|y| Ok(y.to_dtype(dt)?))
+        .collect()
 }

@@ -134,6 +134,12 @@ impl Transformer {
         )
     }
 
+    /// Whether the layer runs probespec's own CPU kernels (f32 on the CPU: row-invariant, so a block
+    /// verifies exactly what plain decoding computes) rather than candle's ops.
+    fn cpu_kernels(&self) -> bool {
+        self.device.is_cpu() && self.dtype == DType::F32
+    }
+
     /// Input embeddings of `ids`: `[ids.len(), hidden]`.
     pub fn embed(&self, ids: &[u32]) -> Result<Tensor> {
         let vocab = self.config.vocab_size as u32;
@@ -227,7 +233,7 @@ impl Transformer {
             Some(n) => n.forward(&k)?,
             None => k,
         };
-        let (q, k) = if self.device.is_cpu() && self.dtype == DType::F32 {
+        let (q, k) = if self.cpu_kernels() {
             (
                 crate::kernels::rope_f32(&q, cos, sin)?,
                 crate::kernels::rope_f32(&k, cos, sin)?,
@@ -243,7 +249,7 @@ impl Transformer {
         let x = (x + l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
-        let gated = if self.device.is_cpu() && self.dtype == DType::F32 {
+        let gated = if self.cpu_kernels() {
             crate::kernels::swiglu_f32(&gate, &up)?
         } else {
             (candle_nn::ops::silu(&gate)? * up)?
@@ -263,19 +269,13 @@ impl Transformer {
         let c = &self.config;
         let rows = q.dim(1)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        if self.device.is_cpu() && self.dtype == DType::F32 {
+        if self.cpu_kernels() {
             use crate::kernels::{attention_f32, Visibility};
             return Ok(match mask {
                 BlockMask::Causal => attention_f32(q, k, v, Visibility::Causal { offset: cached }, scale)?,
-                BlockMask::Additive(m) => {
-                    let m = m.to_dtype(DType::F32)?.contiguous()?;
-                    let (guard, layout) = m.storage_and_layout();
-                    let candle_core::Storage::Cpu(cpu) = &*guard else {
-                        bail!("mask is not on the CPU")
-                    };
-                    let data = &cpu.as_slice::<f32>()?[layout.start_offset()..];
-                    attention_f32(q, k, v, Visibility::Additive(&data[..m.elem_count()]), scale)?
-                }
+                BlockMask::Additive(m) => crate::kernels::with_f32(&m.to_dtype(DType::F32)?, |mask| {
+                    attention_f32(q, k, v, Visibility::Additive(mask), scale)
+                })??,
             });
         }
         if self.device.is_cpu() {

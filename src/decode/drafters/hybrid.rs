@@ -34,7 +34,7 @@ use super::candidates::dynamic_tree;
 use super::esp::MaskProbes;
 use super::ngram::{distinct_matches, lookup};
 use crate::decode::auto::{
-    best_first, chain_rates, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
+    best_first, chain_rate, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
 };
 use crate::decode::budget::{nodes_within, rows_for, MAX_BC};
 use crate::decode::check_flag;
@@ -79,7 +79,7 @@ impl HybridConfig {
             },
             nodes,
             max_ngram: 3,
-            draft_len: 10,
+            draft_len: super::pld::DEFAULT_DRAFT_LEN,
             seed: 0,
             pld_matches: 3,
             extend: 4,
@@ -227,8 +227,7 @@ impl Hybrid {
             Source::Pld { depth, .. } | Source::Ext { depth, .. } => usize::from(depth.max(1)),
             Source::Esp => 1,
         };
-        let rates = chain_rates(depth, |d| self.rates.get(&at(d)).copied());
-        rates[rates.len() - 1]
+        chain_rate(depth, |d| self.rates.get(&at(d)).copied())
     }
 
     fn esp_alpha(&self) -> f64 {

@@ -43,7 +43,7 @@
 
 use super::ngram::{insert_chain, NgramPool};
 use crate::decode::auto::{
-    best_first, chain_rates, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
+    best_first, chain_rate, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
 };
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
@@ -151,10 +151,9 @@ impl LookaheadAuto {
     /// Acceptance of a node of candidate rank `rank` at `depth` given its parent was reached (a depth not
     /// tried yet takes the rate of the depth above).
     fn rate(&self, (rank, depth): (u8, u8)) -> f64 {
-        let rates = chain_rates(usize::from(depth.max(1)), |d| {
+        chain_rate(usize::from(depth.max(1)), |d| {
             self.rates.get(&(rank, d as u8)).copied()
-        });
-        rates[rates.len() - 1]
+        })
     }
 
     /// Expected tokens a window of `w` rows brings.
