@@ -45,6 +45,11 @@ const VALUE_SLOTS: usize = 4;
 /// Head dimensions accumulated together in step 5 (per pass over the visible keys).
 const DIM_CHUNK: usize = 64;
 
+/// Keys ahead whose rows (one head's part) are asked for while keys are transposed and values summed:
+/// a head's part of a cached row is a few cache lines at a stride of all heads, which the hardware
+/// prefetcher followed too late.
+const PREFETCH_KEYS: usize = 16;
+
 /// `exp(x)` for `x <= 0` (a softmax's shifted scores), to about 2 ulp: `2^n · P(r)` with `n =
 /// round(x / ln 2)`, `r = x - n ln 2` in two fused steps, and a degree-6 polynomial. Values below -87
 /// are taken at -87 (about 1.6e-38, beside a maximum of 1). Only fused multiply-adds, multiplies, adds
@@ -336,10 +341,17 @@ impl Problem<'_> {
             kt.resize(hd * kp, 0.0);
         }
         let src = |j: usize, d: usize| j * self.row_stride + kvh * hd + d;
+        // The head's key rows PREFETCH_KEYS on, asked for as each block of keys is moved.
+        let prefetch = |j0: usize, n: usize| {
+            for j in j0 + PREFETCH_KEYS..(j0 + PREFETCH_KEYS + n).min(seen) {
+                super::prefetch_l1(self.kd.as_ptr().wrapping_add(src(j, 0)).cast(), 4 * hd);
+            }
+        };
         let mut j0 = 0;
         #[cfg(target_arch = "x86_64")]
         if width == Width::W512 && hd.is_multiple_of(LANES) {
             while j0 + LANES <= seen {
+                prefetch(j0, LANES);
                 for d0 in (0..hd).step_by(LANES) {
                     let from = &self.kd[src(j0, d0)..src(j0 + LANES - 1, d0) + LANES];
                     let to = &mut kt[d0 * kp + j0..(d0 + LANES - 1) * kp + j0 + LANES];
@@ -352,6 +364,7 @@ impl Problem<'_> {
         #[cfg(target_arch = "x86_64")]
         if width == Width::W256 && hd.is_multiple_of(8) {
             while j0 + 8 <= seen {
+                prefetch(j0, 8);
                 for d0 in (0..hd).step_by(8) {
                     let from = &self.kd[src(j0, d0)..src(j0 + 7, d0) + 8];
                     let to = &mut kt[d0 * kp + j0..(d0 + 7) * kp + j0 + 8];
@@ -431,8 +444,12 @@ impl Problem<'_> {
         // observable if a bounds check panicked); `p` cut to the keys so that its checks go.
         let mut local = *acc;
         let p: [&[f32]; N] = p.map(|pi| &pi[..keys.len()]);
+        let at = |j: u32| j as usize * self.row_stride + self.hd * kvh + d0;
         for (t, &j) in keys.iter().enumerate() {
-            let v = &self.vd[j as usize * self.row_stride + self.hd * kvh + d0..][..n];
+            if let Some(&ahead) = keys.get(t + PREFETCH_KEYS) {
+                super::prefetch_l1(self.vd.as_ptr().wrapping_add(at(ahead)).cast(), 4 * n);
+            }
+            let v = &self.vd[at(j)..][..n];
             for (a, pi) in local.iter_mut().zip(&p) {
                 let pt = pi[t];
                 for l in 0..n {

@@ -60,6 +60,23 @@ pub(crate) fn with_f32<T>(x: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> 
     Ok(f(&cpu_f32(&storage, layout.start_offset())?[..x.elem_count()]))
 }
 
+/// Asks for the cache lines of `bytes` bytes from `p` to be brought into L1: for reads the hardware
+/// prefetcher does not see coming early enough (a layer's weights or cached keys as the arithmetic
+/// moves along them). `p` may point anywhere, past an allocation included: a prefetch reads nothing
+/// architecturally and cannot fault, and the addresses are formed with wrapping arithmetic. A no-op
+/// off x86_64.
+#[inline(always)]
+pub(crate) fn prefetch_l1(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for l in (0..bytes).step_by(64) {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: see above; `_mm_prefetch` is SSE, part of the x86_64 baseline.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l).cast()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
+}
+
 /// Milliseconds of this thread's CPU time per call of `f` (median of 9 runs of at least 20 calls): for
 /// single-threaded timings on a machine shared with other work, where wall time mostly measures the
 /// neighbours.

@@ -868,17 +868,12 @@ mod portable {
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BLOCKS: usize = 4;
 
-/// Asks for the group-block `PREFETCH_BLOCKS` ahead of `blk` (`st` bytes each) to be brought into L1. A
-/// prefetch past the matrix's end is harmless (it never faults), hence the wrapping address.
+/// Asks for the group-block `PREFETCH_BLOCKS` ahead of `blk` (`st` bytes each), past the matrix's end
+/// included (harmless).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_ahead(blk: *const u8, st: usize) {
-    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-    let ahead = blk.wrapping_add(PREFETCH_BLOCKS * st);
-    for l in (0..st).step_by(64) {
-        // SAFETY: a prefetch reads nothing architecturally and cannot fault.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l).cast()) };
-    }
+    super::prefetch_l1(blk.wrapping_add(PREFETCH_BLOCKS * st), st);
 }
 
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
