@@ -246,7 +246,7 @@ impl Transformer {
         };
         let (k_all, v_all) = cache.write(layer_idx, &k, &v.contiguous()?)?;
         let attn = self.attention(&q, &k_all, &v_all, mask, cache.len())?;
-        let x = (x + l.o_proj.forward(&attn)?)?;
+        let x = self.residual(x, &l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
         let gated = if self.cpu_kernels() {
@@ -254,7 +254,16 @@ impl Transformer {
         } else {
             (candle_nn::ops::silu(&gate)? * up)?
         };
-        Ok((x + l.down_proj.forward(&gated)?)?)
+        self.residual(&x, &l.down_proj.forward(&gated)?)
+    }
+
+    /// `x + y`, a residual connection (on the CPU kernels without rayon: see [`crate::kernels::add_f32`]).
+    fn residual(&self, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        Ok(if self.cpu_kernels() {
+            crate::kernels::add_f32(x, y)?
+        } else {
+            (x + y)?
+        })
     }
 
     /// `q`: [1, rows, heads, hd]; `k`, `v`: [1, cached + rows, kv_heads, hd]. Returns [rows, heads * hd].
