@@ -240,18 +240,14 @@ impl Problem<'_> {
             &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
         };
         for j0 in (0..kp).step_by(KEY_CHUNK) {
-            // Two slots at a time: each key chunk loaded once for both, 2 x 4 independent chains (four
-            // slots measured slower).
-            let mut slot = 0;
-            while slot < slots {
-                let scores = &mut s.scores[slot * kp + j0..];
-                if slot + 1 < slots {
-                    score_slots::<2>([q(slot), q(slot + 1)], &s.kt, kp, j0, scores);
-                    slot += 2;
-                } else {
-                    score_slots::<1>([q(slot)], &s.kt, kp, j0, scores);
-                    slot += 1;
-                }
+            // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
+            // would otherwise score 320; a score is its own chain, so the width cannot change it).
+            let (kt, scores) = (&s.kt, &mut s.scores);
+            match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
+                1 => score_pairs::<16>(slots, q, kt, kp, j0, scores),
+                2 => score_pairs::<32>(slots, q, kt, kp, j0, scores),
+                3 => score_pairs::<48>(slots, q, kt, kp, j0, scores),
+                _ => score_pairs::<KEY_CHUNK>(slots, q, kt, kp, j0, scores),
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
@@ -461,17 +457,22 @@ impl Problem<'_> {
     }
 }
 
-/// `scores[i][l] = Σ_d q_i[d] · kt[d · kp + j0 + l]` for the [`KEY_CHUNK`] keys from `j0` and each of
-/// the N query vectors (step 1's dot products): each a fused multiply-add chain in `d` order, N · 4
-/// independent 16-lane chains, each key chunk loaded once for all N.
+/// `scores[i][l] = Σ_d q_i[d] · kt[d · kp + j0 + l]` for the W (at most [`KEY_CHUNK`]) keys from `j0`
+/// and each of the N query vectors (step 1's dot products): each a fused multiply-add chain in `d`
+/// order, N · W/16 independent 16-lane chains, each key chunk loaded once for all N.
 #[inline(always)]
-fn score_chunk<const N: usize>(q: [&[f32]; N], kt: &[f32], kp: usize, j0: usize) -> [[f32; KEY_CHUNK]; N] {
-    let mut acc = [[0.0f32; KEY_CHUNK]; N];
+fn score_chunk<const N: usize, const W: usize>(
+    q: [&[f32]; N],
+    kt: &[f32],
+    kp: usize,
+    j0: usize,
+) -> [[f32; W]; N] {
+    let mut acc = [[0.0f32; W]; N];
     for d in 0..q[0].len() {
-        let k = &kt[d * kp + j0..][..KEY_CHUNK];
+        let k = &kt[d * kp + j0..][..W];
         for (a, qi) in acc.iter_mut().zip(&q) {
             let qd = qi[d];
-            for l in 0..KEY_CHUNK {
+            for l in 0..W {
                 a[l] = qd.mul_add(k[l], a[l]);
             }
         }
@@ -479,11 +480,33 @@ fn score_chunk<const N: usize>(q: [&[f32]; N], kt: &[f32], kp: usize, j0: usize)
     acc
 }
 
-/// [`score_chunk`] for N consecutive slots, slot `i`'s scores written at `scores[i · kp ..]`.
+/// [`score_chunk`] of the W keys from `j0` for every slot (`q(slot)` its query, its scores at
+/// `scores[slot · kp ..]`), two slots at a time: each key chunk loaded once for both, 2 x 4 independent
+/// chains (four slots measured slower).
 #[inline(always)]
-fn score_slots<const N: usize>(q: [&[f32]; N], kt: &[f32], kp: usize, j0: usize, scores: &mut [f32]) {
-    for (i, chunk) in score_chunk(q, kt, kp, j0).iter().enumerate() {
-        scores[i * kp..][..KEY_CHUNK].copy_from_slice(chunk);
+fn score_pairs<'q, const W: usize>(
+    slots: usize,
+    q: impl Fn(usize) -> &'q [f32],
+    kt: &[f32],
+    kp: usize,
+    j0: usize,
+    scores: &mut [f32],
+) {
+    let mut slot = 0;
+    while slot < slots {
+        let out = &mut scores[slot * kp + j0..];
+        if slot + 1 < slots {
+            for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, kp, j0)
+                .iter()
+                .enumerate()
+            {
+                out[i * kp..][..W].copy_from_slice(chunk);
+            }
+            slot += 2;
+        } else {
+            out[..W].copy_from_slice(&score_chunk::<1, W>([q(slot)], kt, kp, j0)[0]);
+            slot += 1;
+        }
     }
 }
 
