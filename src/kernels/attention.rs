@@ -256,11 +256,20 @@ impl Problem<'_> {
         s.p.clear();
         s.p_start.clear();
         s.inv.clear();
+        // The leading keys 0 .. shared that every row of the tile sees (all cached keys, in a block
+        // over a cache): one pass over their values serves every (row, head) of the tile (step 5).
+        let mut shared = usize::MAX;
         for (ri, r) in rows.clone().enumerate() {
             let v0 = s.visible.len();
             s.vis_start.push(v0);
-            match self.vis {
-                Visibility::Causal { offset } => s.visible.extend(0..(offset + r + 1).min(keys) as u32),
+            // `lead`: the row's leading visible keys 0 .. lead, whose weights are read in order, without
+            // the visible list (the same operations on the same values).
+            let lead = match self.vis {
+                Visibility::Causal { offset } => {
+                    let n = (offset + r + 1).min(keys);
+                    s.visible.extend(0..n as u32);
+                    n
+                }
                 Visibility::Additive(m) => {
                     // Branch-free: every key is written, and the count moves past the visible ones.
                     let m = &m[r * keys..(r + 1) * keys];
@@ -271,22 +280,23 @@ impl Problem<'_> {
                         n += usize::from(bias != f32::NEG_INFINITY);
                     }
                     s.visible.truncate(n);
+                    m[..seen].iter().take_while(|&&b| b != f32::NEG_INFINITY).count()
                 }
-            }
-            let visible = &s.visible[v0..];
+            };
+            shared = shared.min(lead);
+            let rest = &s.visible[v0 + lead..];
             for g in 0..group {
                 let scores = &s.scores[(ri * group + g) * kp..][..kp];
                 let p0 = s.p.len();
                 s.p_start.push(p0);
                 match self.vis {
-                    Visibility::Causal { .. } => {
-                        s.p.extend(visible.iter().map(|&j| scores[j as usize] * self.scale))
-                    }
+                    Visibility::Causal { .. } => s.p.extend(scores[..lead].iter().map(|&x| x * self.scale)),
                     Visibility::Additive(m) => {
                         let m = &m[r * keys..];
+                        let run = scores[..lead].iter().zip(&m[..lead]);
+                        s.p.extend(run.map(|(&x, &b)| x * self.scale + b));
                         s.p.extend(
-                            visible
-                                .iter()
+                            rest.iter()
                                 .map(|&j| scores[j as usize] * self.scale + m[j as usize]),
                         )
                     }
@@ -300,18 +310,6 @@ impl Problem<'_> {
             }
         }
         s.vis_start.push(s.visible.len());
-        // The leading keys 0 .. shared that every row of the tile sees (all cached keys, in a block
-        // over a cache): one pass over their values serves every (row, head) of the tile.
-        let shared = (0..rows.len())
-            .map(|ri| {
-                let v = &s.visible[s.vis_start[ri]..s.vis_start[ri + 1]];
-                v.iter()
-                    .enumerate()
-                    .take_while(|&(t, &j)| j as usize == t)
-                    .count()
-            })
-            .min()
-            .unwrap_or(0);
         // Step 5 for the tile's (row, head) slots, a few at a time.
         let slots = rows.len() * group;
         let mut slot0 = 0;
