@@ -404,14 +404,14 @@ impl Problem<'_> {
             let mut acc = [[0.0f32; DIM_CHUNK]; N];
             // A whole chunk has a constant width, so its accumulators stay in registers.
             if n == DIM_CHUNK {
-                self.accumulate::<N>(kvh, keys, p, d0, DIM_CHUNK, &mut acc);
+                self.accumulate::<N>(kvh, keys, p, d0, DIM_CHUNK, slot0 == 0, &mut acc);
             } else {
-                self.accumulate::<N>(kvh, keys, p, d0, n, &mut acc);
+                self.accumulate::<N>(kvh, keys, p, d0, n, slot0 == 0, &mut acc);
             }
             for (i, a) in acc.iter_mut().enumerate() {
                 let rest = &visible(i)[shared..];
                 let one: &mut [[f32; DIM_CHUNK]; 1] = std::slice::from_mut(a).try_into().unwrap();
-                self.accumulate::<1>(kvh, rest, [&p[i][shared..]], d0, n, one);
+                self.accumulate::<1>(kvh, rest, [&p[i][shared..]], d0, n, false, one);
                 let (r, g) = (row0 + ri(i), (slot0 + i) % group);
                 // SAFETY: row r's head g of this group is written by this unit only.
                 let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
@@ -423,7 +423,9 @@ impl Problem<'_> {
         }
     }
 
-    /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= DIM_CHUNK`).
+    /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= DIM_CHUNK`);
+    /// with `prefetch`, the values [`PREFETCH_KEYS`] keys ahead are asked for (the first pass of a tile
+    /// over its keys: the later ones find them in the caches).
     #[inline(always)]
     fn accumulate<const N: usize>(
         &self,
@@ -432,6 +434,7 @@ impl Problem<'_> {
         p: [&[f32]; N],
         d0: usize,
         n: usize,
+        prefetch: bool,
         acc: &mut [[f32; DIM_CHUNK]; N],
     ) {
         // A local copy, so that the accumulators stay in registers (a store through `acc` would be
@@ -440,7 +443,7 @@ impl Problem<'_> {
         let p: [&[f32]; N] = p.map(|pi| &pi[..keys.len()]);
         let at = |j: u32| j as usize * self.row_stride + self.hd * kvh + d0;
         for (t, &j) in keys.iter().enumerate() {
-            if let Some(&ahead) = keys.get(t + PREFETCH_KEYS) {
+            if let Some(&ahead) = keys.get(t + PREFETCH_KEYS).filter(|_| prefetch) {
                 super::prefetch_l1(self.vd.as_ptr().wrapping_add(at(ahead)).cast(), 4 * n);
             }
             let v = &self.vd[at(j)..][..n];
