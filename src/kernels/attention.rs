@@ -427,6 +427,7 @@ impl Problem<'_> {
     /// with `prefetch`, the values [`PREFETCH_KEYS`] keys ahead are asked for (the first pass of a tile
     /// over its keys: the later ones find them in the caches).
     #[inline(always)]
+    #[allow(clippy::too_many_arguments)] // the accumulators' inputs, kept apart so that widths stay constant
     fn accumulate<const N: usize>(
         &self,
         kvh: usize,
