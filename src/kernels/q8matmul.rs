@@ -594,13 +594,7 @@ unsafe fn quantize_blocks_avx512(x: &[f32], out: Blocks) {
             _mm512_and_si512(_mm512_castps_si512(hi), abs),
         );
         let amax = f32::from_bits(_mm512_reduce_max_epu32(bits));
-        let (d, id) = if amax.is_nan() {
-            (f32::NAN, 0.0)
-        } else if amax > 0.0 {
-            (amax / 127.0, 127.0 / amax)
-        } else {
-            (0.0, 0.0)
-        };
+        let (d, id) = block_scale(amax);
         let id = _mm512_set1_ps(id);
         let round = |v: __m512| {
             _mm512_sub_epi32(
@@ -621,6 +615,19 @@ unsafe fn quantize_blocks_avx512(x: &[f32], out: Blocks) {
     }
 }
 
+/// A block's scale `d = amax / 127` and its multiplier `127 / amax` (NaN and 0 where the block holds a
+/// NaN, both 0 for an all-zero block), shared by every quantisation path.
+#[inline(always)]
+fn block_scale(amax: f32) -> (f32, f32) {
+    if amax.is_nan() {
+        (f32::NAN, 0.0)
+    } else if amax > 0.0 {
+        (amax / 127.0, 127.0 / amax)
+    } else {
+        (0.0, 0.0)
+    }
+}
+
 #[inline(always)]
 fn quantize_blocks(x: &[f32], out: Blocks) {
     let magic = ROUND_MAGIC.to_bits() as i32;
@@ -637,13 +644,7 @@ fn quantize_blocks(x: &[f32], out: Blocks) {
             amax_bits = amax_bits.max(v.to_bits() & 0x7fff_ffff);
         }
         let amax = f32::from_bits(amax_bits);
-        let (d, id) = if amax.is_nan() {
-            (f32::NAN, 0.0)
-        } else if amax > 0.0 {
-            (amax / 127.0, 127.0 / amax)
-        } else {
-            (0.0, 0.0)
-        };
+        let (d, id) = block_scale(amax);
         // |v · id| <= 127 plus a rounding, well inside the magic number's range.
         let mut qi = [0i32; BLOCK];
         for (q, v) in qi.iter_mut().zip(xs) {
