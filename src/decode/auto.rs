@@ -244,18 +244,26 @@ pub fn tried_nodes(tree: &TokenTree, accepted: &[usize]) -> Vec<(usize, bool)> {
 /// one shrunk towards the depth above it (`rate(d)`: the counts of depth d, if any). An untried depth
 /// inherits the rate of the one above: a chain that keeps being accepted is drafted longer, and learnt.
 pub fn chain_rates(n: usize, rate: impl Fn(usize) -> Option<Rate>) -> Vec<f64> {
-    let mut out: Vec<f64> = Vec::with_capacity(n);
-    for d in 1..=n {
-        let prior = out.last().copied().unwrap_or(0.5);
-        out.push(rate(d).map_or(prior, |r| r.toward(prior)));
-    }
-    out
+    (1..=n)
+        .scan(FIRST_DEPTH_PRIOR, |prior, d| {
+            *prior = deeper(*prior, rate(d));
+            Some(*prior)
+        })
+        .collect()
 }
 
 /// The last of [`chain_rates`]`(n, rate)` (`n >= 1`), without building the list: what a node at depth
 /// `n` is scored with.
 pub fn chain_rate(n: usize, rate: impl Fn(usize) -> Option<Rate>) -> f64 {
-    (1..=n).fold(0.5, |prior, d| rate(d).map_or(prior, |r| r.toward(prior)))
+    (1..=n).fold(FIRST_DEPTH_PRIOR, |prior, d| deeper(prior, rate(d)))
+}
+
+/// The rate a chain's first depth starts from.
+const FIRST_DEPTH_PRIOR: f64 = 0.5;
+
+/// A depth's rate from the one above it (`prior`) and its own counts, if any.
+fn deeper(prior: f64, counts: Option<Rate>) -> f64 {
+    counts.map_or(prior, |r| r.toward(prior))
 }
 
 /// A learnt acceptance rate: accepted / proposed, each starting from a pseudo-count (the prior).

@@ -1046,7 +1046,10 @@ macro_rules! avx256_variant {
                 let low = _mm256_set1_epi8(15);
                 for b in 0..nb {
                     let blk = wg.add(b * st);
-                    prefetch_ahead(blk, st);
+                    // The second half's pass finds the group's blocks in L1.
+                    if h == 0 {
+                        prefetch_ahead(blk, st);
+                    }
                     let q = blk.add(hb + 32 * h);
                     // The activation quads of row r, block b: 8 × 4 bytes.
                     let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
