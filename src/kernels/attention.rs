@@ -45,6 +45,11 @@ const VALUE_SLOTS: usize = 4;
 /// Head dimensions accumulated together in step 5 (per pass over the visible keys).
 const DIM_CHUNK: usize = 64;
 
+/// Rows of a tile at most. A tile scores every key that its last row sees for each of its rows, and
+/// its rows' keys past the tile's first row are summed per row, not shared: a causal prefill of 769
+/// rows cut in two tiles spent most of its attention there (a third of the prefill's samples).
+const MAX_TILE_ROWS: usize = 32;
+
 /// Keys ahead whose rows (one head's part) are asked for while keys are transposed and values summed:
 /// a head's part of a cached row is a few cache lines at a stride of all heads, which the hardware
 /// prefetcher followed too late.
@@ -411,7 +416,12 @@ impl Problem<'_> {
             for (i, a) in acc.iter_mut().enumerate() {
                 let rest = &visible(i)[shared..];
                 let one: &mut [[f32; DIM_CHUNK]; 1] = std::slice::from_mut(a).try_into().unwrap();
-                self.accumulate::<1>(kvh, rest, [&p[i][shared..]], d0, n, false, one);
+                let pr = [&p[i][shared..]];
+                if n == DIM_CHUNK {
+                    self.accumulate::<1>(kvh, rest, pr, d0, DIM_CHUNK, false, one);
+                } else {
+                    self.accumulate::<1>(kvh, rest, pr, d0, n, false, one);
+                }
                 let (r, g) = (row0 + ri(i), (slot0 + i) % group);
                 // SAFETY: row r's head g of this group is written by this unit only.
                 let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
@@ -661,10 +671,11 @@ pub fn attention_f32_with(
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
     // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units
-    // per thread to balance.
+    // per thread to balance, and of at most MAX_TILE_ROWS.
     let tiles = (2 * pool.threads())
         .div_ceil(kv_heads)
-        .clamp(1, (rows / 4).max(1));
+        .clamp(1, (rows / 4).max(1))
+        .max(rows.div_ceil(MAX_TILE_ROWS));
     let problem = Problem {
         qv,
         kd,
@@ -818,6 +829,52 @@ mod tests {
         let alone = attention_f32(&q1, &k1, &v1, Visibility::Causal { offset: 9 }, scale).unwrap();
         let alone = alone.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(alone, got[4 * heads * hd..].to_vec());
+    }
+
+    /// A causal prefill long enough to be cut into several row tiles ([`MAX_TILE_ROWS`]) gives every row
+    /// the bits it gets alone over the cache before it (as decoding one token at a time computes it),
+    /// and the bits of the same block under an additive causal mask, at every width.
+    #[test]
+    fn long_causal_blocks_are_row_invariant() {
+        let (rows, heads, kvh, hd, cached) = (3 * MAX_TILE_ROWS + 5, 9, 3, 64, 11);
+        let keys = cached + rows;
+        let q = rand_tensor(&[1, rows, heads, hd], 7);
+        let k = rand_tensor(&[1, keys, kvh, hd], 8);
+        let v = rand_tensor(&[1, keys, kvh, hd], 9);
+        let mask: Vec<f32> = (0..rows)
+            .flat_map(|r| (0..keys).map(move |j| if j <= cached + r { 0.0 } else { f32::NEG_INFINITY }))
+            .collect();
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let row = heads * hd;
+        for w in Width::ALL.into_iter().filter(|w| w.available()) {
+            let causal = flat(
+                attention_f32_with(w, &q, &k, &v, Visibility::Causal { offset: cached }, 0.125).unwrap(),
+            );
+            let additive =
+                flat(attention_f32_with(w, &q, &k, &v, Visibility::Additive(&mask), 0.125).unwrap());
+            assert_eq!(causal, additive, "{w:?}: causal and additive masks differ");
+            for r in [
+                0,
+                1,
+                MAX_TILE_ROWS - 1,
+                MAX_TILE_ROWS,
+                MAX_TILE_ROWS + 1,
+                2 * MAX_TILE_ROWS + 3,
+                rows - 1,
+            ] {
+                let n = cached + r + 1;
+                let alone = attention_f32_with(
+                    w,
+                    &q.narrow(1, r, 1).unwrap(),
+                    &k.narrow(1, 0, n).unwrap(),
+                    &v.narrow(1, 0, n).unwrap(),
+                    Visibility::Causal { offset: n - 1 },
+                    0.125,
+                )
+                .unwrap();
+                assert_eq!(flat(alone), causal[r * row..(r + 1) * row], "{w:?}: row {r}");
+            }
+        }
     }
 
     /// `cargo test --release --lib attention::tests::timing -- --ignored --nocapture`: µs per call of
