@@ -38,7 +38,16 @@ pub enum Visibility<'a> {
 /// Vector lanes of the fixed sum (step 4) and of the transposed key blocks.
 const LANES: usize = 16;
 /// Keys scored together: 8 independent 16-lane chains hide the fused multiply-add latency.
-const KEY_CHUNK: usize = 64;
+pub const KEY_CHUNK: usize = 64;
+
+/// Keys laid out as the scores read them, kept by the caller across calls (the KV cache): key `j`'s
+/// value `d` of key/value head `h` at `data[(h · hd + d) · stride + j]`, `stride` a multiple of
+/// [`KEY_CHUNK`] (a chunk is read whole; what lies past the last key is never used).
+#[derive(Clone, Copy)]
+pub struct TransposedKeys<'a> {
+    pub data: &'a [f32],
+    pub stride: usize,
+}
 /// (Row, head) slots accumulated together in step 5: 4 x 64 f32 accumulators fill 16 vector registers.
 const VALUE_SLOTS: usize = 4;
 
@@ -164,6 +173,8 @@ impl Width {
 struct Problem<'a> {
     qv: &'a [f32],
     kd: &'a [f32],
+    /// The keys already transposed, when the caller keeps them so (else each unit transposes its own).
+    kt: Option<TransposedKeys<'a>>,
     vd: &'a [f32],
     vis: Visibility<'a>,
     scale: f32,
@@ -234,7 +245,14 @@ impl Problem<'_> {
             Visibility::Additive(_) => keys,
         };
         let kp = seen.next_multiple_of(KEY_CHUNK);
-        self.transpose_keys(width, kvh, seen, kp, &mut s.kt);
+        // `kt[d · ks + j]`: key j's value d of this head.
+        let (kt, ks) = match self.kt {
+            Some(t) => (&t.data[kvh * hd * t.stride..][..hd * t.stride], t.stride),
+            None => {
+                self.transpose_keys(width, kvh, seen, kp, &mut s.kt);
+                (&s.kt[..hd * kp], kp)
+            }
+        };
         // Every (row, head) of the unit is scored chunk by chunk, while the chunk's keys sit in L1.
         let slots = rows.len() * group;
         if s.scores.len() < slots * kp {
@@ -247,12 +265,12 @@ impl Problem<'_> {
         for j0 in (0..kp).step_by(KEY_CHUNK) {
             // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
             // would otherwise score 320; a score is its own chain, so the width cannot change it).
-            let (kt, scores) = (&s.kt, &mut s.scores);
+            let (keys, scores) = ((kt, ks), (&mut s.scores[..], kp));
             match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
-                1 => score_pairs::<16>(slots, q, kt, kp, j0, scores),
-                2 => score_pairs::<32>(slots, q, kt, kp, j0, scores),
-                3 => score_pairs::<48>(slots, q, kt, kp, j0, scores),
-                _ => score_pairs::<KEY_CHUNK>(slots, q, kt, kp, j0, scores),
+                1 => score_pairs::<16>(slots, q, keys, j0, scores),
+                2 => score_pairs::<32>(slots, q, keys, j0, scores),
+                3 => score_pairs::<48>(slots, q, keys, j0, scores),
+                _ => score_pairs::<KEY_CHUNK>(slots, q, keys, j0, scores),
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
@@ -469,19 +487,19 @@ impl Problem<'_> {
     }
 }
 
-/// `scores[i][l] = Σ_d q_i[d] · kt[d · kp + j0 + l]` for the W (at most [`KEY_CHUNK`]) keys from `j0`
+/// `scores[i][l] = Σ_d q_i[d] · kt[d · ks + j0 + l]` for the W (at most [`KEY_CHUNK`]) keys from `j0`
 /// and each of the N query vectors (step 1's dot products): each a fused multiply-add chain in `d`
 /// order, N · W/16 independent 16-lane chains, each key chunk loaded once for all N.
 #[inline(always)]
 fn score_chunk<const N: usize, const W: usize>(
     q: [&[f32]; N],
     kt: &[f32],
-    kp: usize,
+    ks: usize,
     j0: usize,
 ) -> [[f32; W]; N] {
     let mut acc = [[0.0f32; W]; N];
     for d in 0..q[0].len() {
-        let k = &kt[d * kp + j0..][..W];
+        let k = &kt[d * ks + j0..][..W];
         for (a, qi) in acc.iter_mut().zip(&q) {
             let qd = qi[d];
             for l in 0..W {
@@ -492,23 +510,22 @@ fn score_chunk<const N: usize, const W: usize>(
     acc
 }
 
-/// [`score_chunk`] of the W keys from `j0` for every slot (`q(slot)` its query, its scores at
-/// `scores[slot · kp ..]`), two slots at a time: each key chunk loaded once for both, 2 x 4 independent
-/// chains (four slots measured slower).
+/// [`score_chunk`] of the W keys from `j0` (`keys`: the transposed keys and their stride) for every
+/// slot (`q(slot)` its query, its scores at `scores.0[slot · scores.1 ..]`), two slots at a time: each
+/// key chunk loaded once for both, 2 x 4 independent chains (four slots measured slower).
 #[inline(always)]
 fn score_pairs<'q, const W: usize>(
     slots: usize,
     q: impl Fn(usize) -> &'q [f32],
-    kt: &[f32],
-    kp: usize,
+    (kt, ks): (&[f32], usize),
     j0: usize,
-    scores: &mut [f32],
+    (scores, kp): (&mut [f32], usize),
 ) {
     let mut slot = 0;
     while slot < slots {
         let out = &mut scores[slot * kp + j0..];
         if slot + 1 < slots {
-            for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, kp, j0)
+            for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, ks, j0)
                 .iter()
                 .enumerate()
             {
@@ -516,7 +533,7 @@ fn score_pairs<'q, const W: usize>(
             }
             slot += 2;
         } else {
-            out[..W].copy_from_slice(&score_chunk::<1, W>([q(slot)], kt, kp, j0)[0]);
+            out[..W].copy_from_slice(&score_chunk::<1, W>([q(slot)], kt, ks, j0)[0]);
             slot += 1;
         }
     }
@@ -619,6 +636,18 @@ pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale:
     attention_f32_with(Width::best(), q, k, v, vis, scale)
 }
 
+/// [`attention_f32`] with, where the caller keeps them, the same keys already transposed (read instead
+/// of transposing `k`; the same bits).
+pub fn attention_f32_keys(
+    q: &Tensor,
+    k: (&Tensor, Option<TransposedKeys>),
+    v: &Tensor,
+    vis: Visibility,
+    scale: f32,
+) -> Result<Tensor> {
+    attention_with(Width::best(), q, k, v, vis, scale)
+}
+
 /// [`attention_f32`] compiled for an explicit vector width (all give the same bits).
 ///
 /// # Panics
@@ -627,6 +656,17 @@ pub fn attention_f32_with(
     width: Width,
     q: &Tensor,
     k: &Tensor,
+    v: &Tensor,
+    vis: Visibility,
+    scale: f32,
+) -> Result<Tensor> {
+    attention_with(width, q, (k, None), v, vis, scale)
+}
+
+fn attention_with(
+    width: Width,
+    q: &Tensor,
+    (k, kt): (&Tensor, Option<TransposedKeys>),
     v: &Tensor,
     vis: Visibility,
     scale: f32,
@@ -668,6 +708,18 @@ pub fn attention_f32_with(
         super::cpu_f32(&kg, kl.start_offset())?,
         super::cpu_f32(&vg, vl.start_offset())?,
     );
+    if let Some(t) = kt {
+        if !t.stride.is_multiple_of(KEY_CHUNK)
+            || t.stride < keys.next_multiple_of(KEY_CHUNK)
+            || t.data.len() < kv_heads * hd * t.stride
+        {
+            return Err(Error::Msg(format!(
+                "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
+                t.stride,
+                t.data.len()
+            )));
+        }
+    }
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
     // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units
@@ -679,6 +731,7 @@ pub fn attention_f32_with(
     let problem = Problem {
         qv,
         kd,
+        kt,
         vd,
         vis,
         scale,
@@ -875,6 +928,55 @@ mod tests {
                 assert_eq!(flat(alone), causal[r * row..(r + 1) * row], "{w:?}: row {r}");
             }
         }
+    }
+
+    /// Keys handed over already transposed (as the KV cache keeps them, with a stride past the keys and
+    /// stale values beyond them) give the bits of transposing them, causal or masked.
+    #[test]
+    fn transposed_keys_give_the_same_bits() {
+        let (rows, heads, kvh, hd, cached) = (6, 9, 3, 64, 70);
+        let keys = cached + rows;
+        let q = rand_tensor(&[1, rows, heads, hd], 11);
+        let k = rand_tensor(&[1, keys, kvh, hd], 12);
+        let v = rand_tensor(&[1, keys, kvh, hd], 13);
+        let stride = 3 * KEY_CHUNK;
+        let kv = k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let mut data = vec![f32::NAN; kvh * hd * stride];
+        for j in 0..keys {
+            for c in 0..kvh * hd {
+                data[c * stride + j] = kv[j * kvh * hd + c];
+            }
+        }
+        let kt = TransposedKeys { data: &data, stride };
+        let mask: Vec<f32> = (0..rows * keys)
+            .map(|i| {
+                if i % keys <= cached || (i % keys) % 3 == 0 {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        for vis in [Visibility::Causal { offset: cached }, Visibility::Additive(&mask)] {
+            let want = attention_f32(&q, &k, &v, vis, 0.125).unwrap();
+            let got = attention_f32_keys(&q, (&k, Some(kt)), &v, vis, 0.125).unwrap();
+            let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (want, got) = (flat(want), flat(got));
+            assert!(want.iter().all(|x| x.is_finite()));
+            assert!(want.iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+        let short = TransposedKeys {
+            data: &data,
+            stride: KEY_CHUNK,
+        };
+        assert!(attention_f32_keys(
+            &q,
+            (&k, Some(short)),
+            &v,
+            Visibility::Causal { offset: cached },
+            0.1
+        )
+        .is_err());
     }
 
     /// `cargo test --release --lib attention::tests::timing -- --ignored --nocapture`: µs per call of

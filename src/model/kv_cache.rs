@@ -1,6 +1,11 @@
 //! Preallocated key/value cache: one `[1, capacity, kv_heads, head_dim]` buffer per layer for keys and one
 //! for values, written in place. Speculative steps append a whole block, then keep only the accepted rows.
+//!
+//! For the CPU kernels the keys are also kept transposed ([`TransposedKeys`]), as the attention kernel
+//! scores them: laid out once when written instead of on every step (transposing a 1024-token cache
+//! every step took a third of a one-row step).
 
+use crate::kernels::TransposedKeys;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -9,9 +14,21 @@ pub struct KvCache {
     values: Vec<Tensor>,
     len: usize,
     capacity: usize,
+    /// Per layer, the keys transposed (see [`TransposedKeys`]; `[kv_heads · head_dim][stride]`), when
+    /// the cache serves the CPU kernels.
+    keys_t: Option<Vec<Vec<f32>>>,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+/// Columns of a transposed key row for `capacity` keys: whole chunks of the kernel's scores, which read
+/// a chunk past the last key.
+fn transposed_stride(capacity: usize) -> usize {
+    capacity.next_multiple_of(crate::kernels::KEY_CHUNK)
 }
 
 impl KvCache {
+    /// With `transposed`, the keys are also kept as the CPU kernels read them (f32 only).
     pub fn new(
         num_layers: usize,
         capacity: usize,
@@ -19,18 +36,27 @@ impl KvCache {
         head_dim: usize,
         dtype: DType,
         device: &Device,
+        transposed: bool,
     ) -> Result<Self> {
+        if transposed && dtype != DType::F32 {
+            bail!("transposed keys are f32");
+        }
         let mut keys = Vec::with_capacity(num_layers);
         let mut values = Vec::with_capacity(num_layers);
         for _ in 0..num_layers {
             keys.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
             values.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
         }
+        let keys_t = transposed
+            .then(|| vec![vec![0.0f32; kv_heads * head_dim * transposed_stride(capacity)]; num_layers]);
         Ok(KvCache {
             keys,
             values,
             len: 0,
             capacity,
+            keys_t,
+            kv_heads,
+            head_dim,
         })
     }
 
@@ -46,6 +72,19 @@ impl KvCache {
                 grown.slice_set(&t.narrow(1, 0, self.len)?, 1, 0)?;
             }
             *t = grown;
+        }
+        if let Some(layers) = &mut self.keys_t {
+            let (old, new) = (transposed_stride(self.capacity), transposed_stride(capacity));
+            for kt in layers.iter_mut() {
+                let mut grown = vec![0.0f32; self.kv_heads * self.head_dim * new];
+                // (A cache with rows has a stride.)
+                if self.len > 0 {
+                    for (to, from) in grown.chunks_exact_mut(new).zip(kt.chunks_exact(old)) {
+                        to[..self.len].copy_from_slice(&from[..self.len]);
+                    }
+                }
+                *kt = grown;
+            }
         }
         self.capacity = capacity;
         Ok(())
@@ -80,16 +119,41 @@ impl KvCache {
     /// Writes a block's keys and values (`[1, rows, kv_heads, head_dim]`) after the committed rows and returns
     /// views over everything the block attends to. `len` advances only in [`KvCache::advance`], once all
     /// layers have written.
-    pub fn write(&self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
         self.keys[layer].slice_set(k, 1, self.len)?;
         self.values[layer].slice_set(v, 1, self.len)?;
+        if let Some(layers) = &mut self.keys_t {
+            let (stride, len, width) = (
+                transposed_stride(self.capacity),
+                self.len,
+                self.kv_heads * self.head_dim,
+            );
+            let kt = &mut layers[layer];
+            crate::kernels::with_f32(k, |kv| {
+                for (r, row) in kv.chunks_exact(width).enumerate() {
+                    for (c, &x) in row.iter().enumerate() {
+                        kt[c * stride + len + r] = x;
+                    }
+                }
+            })?;
+        }
         let total = self.len + rows;
         Ok((
             self.keys[layer].narrow(1, 0, total)?,
             self.values[layer].narrow(1, 0, total)?,
         ))
+    }
+
+    /// Layer `layer`'s keys as the CPU kernels read them (written up to the last [`KvCache::write`]), if
+    /// the cache keeps them.
+    pub fn transposed_keys(&self, layer: usize) -> Option<TransposedKeys<'_>> {
+        let layers = self.keys_t.as_ref()?;
+        Some(TransposedKeys {
+            data: &layers[layer],
+            stride: transposed_stride(self.capacity),
+        })
     }
 
     pub fn advance(&mut self, rows: usize) {
@@ -115,8 +179,90 @@ impl KvCache {
                 let kept = t.narrow(1, start, span)?.index_select(&idx, 1)?;
                 t.slice_set(&kept, 1, start)?;
             }
+            if let Some(layers) = &mut self.keys_t {
+                let stride = transposed_stride(self.capacity);
+                for kt in layers.iter_mut() {
+                    for col in kt.chunks_exact_mut(stride) {
+                        let col = &mut col[start..];
+                        // Ascending offsets, each at or after its destination: in place.
+                        for (i, &r) in rows.iter().enumerate() {
+                            col[i] = col[r];
+                        }
+                    }
+                }
+            }
         }
         self.len = start + rows.len();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The transposed keys against the row-major ones: `[kv_heads · head_dim][len]` read both ways.
+    fn assert_transposed_match(cache: &KvCache, layer: usize) {
+        let (len, width) = (cache.len(), cache.kv_heads * cache.head_dim);
+        let rows: Vec<f32> = cache.keys[layer]
+            .narrow(1, 0, len)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let t = cache.transposed_keys(layer).unwrap();
+        assert!(t.stride.is_multiple_of(crate::kernels::KEY_CHUNK) && t.stride >= cache.capacity());
+        for j in 0..len {
+            for c in 0..width {
+                assert_eq!(
+                    t.data[c * t.stride + j],
+                    rows[j * width + c],
+                    "key {j}, column {c}"
+                );
+            }
+        }
+    }
+
+    /// Blocks written, a tree's rows kept out of order of their slots, the buffers grown: the transposed
+    /// keys follow the row-major ones through each.
+    #[test]
+    fn transposed_keys_follow_writes_keeps_and_growth() {
+        let (layers, kvh, hd) = (2, 3, 4);
+        let mut cache = KvCache::new(layers, 10, kvh, hd, DType::F32, &Device::Cpu, true).unwrap();
+        let mut next = 0.0f32;
+        let mut block = |rows: usize| {
+            let v: Vec<f32> = (0..rows * kvh * hd)
+                .map(|_| {
+                    next += 1.0;
+                    next
+                })
+                .collect();
+            Tensor::from_vec(v, (1, rows, kvh, hd), &Device::Cpu).unwrap()
+        };
+        for rows in [4, 3] {
+            for l in 0..layers {
+                let k = block(rows);
+                cache.write(l, &k, &k).unwrap();
+            }
+            cache.advance(rows);
+        }
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
+        // Of the 3 rows from 4, keep offsets 0 and 2 (a tree's root and accepted node).
+        cache.keep(4, &[0, 2]).unwrap();
+        assert_eq!(cache.len(), 6);
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
+        cache.reserve(100).unwrap();
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
+        for l in 0..layers {
+            let k = block(5);
+            cache.write(l, &k, &k).unwrap();
+        }
+        cache.advance(5);
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
+        assert!(KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false)
+            .unwrap()
+            .transposed_keys(0)
+            .is_none());
     }
 }

@@ -131,6 +131,7 @@ impl Transformer {
             c.head_dim,
             self.dtype,
             &self.device,
+            self.cpu_kernels(),
         )
     }
 
@@ -175,7 +176,7 @@ impl Transformer {
         let (cos, sin) = self.rope_rows(positions)?;
         let mut x = x.to_dtype(self.dtype)?;
         for (i, layer) in self.layers.iter().enumerate() {
-            x = self.layer_forward(layer, i, &x, &cos, &sin, mask, cache)?;
+            x = self.layer_forward(layer, i, &x, &cos, &sin, mask, &mut *cache)?;
         }
         cache.advance(rows);
         self.norm.forward(&x)
@@ -216,7 +217,7 @@ impl Transformer {
         cos: &Tensor,
         sin: &Tensor,
         mask: &BlockMask,
-        cache: &KvCache,
+        cache: &mut KvCache,
     ) -> Result<Tensor> {
         let c = &self.config;
         let rows = x.dim(0)?;
@@ -245,7 +246,8 @@ impl Transformer {
             )
         };
         let (k_all, v_all) = cache.write(layer_idx, &k, &v.contiguous()?)?;
-        let attn = self.attention(&q, &k_all, &v_all, mask, cache.len())?;
+        let kt = cache.transposed_keys(layer_idx);
+        let attn = self.attention(&q, (&k_all, kt), &v_all, mask, cache.len())?;
         let x = self.residual(x, &l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
@@ -270,7 +272,7 @@ impl Transformer {
     fn attention(
         &self,
         q: &Tensor,
-        k: &Tensor,
+        (k, kt): (&Tensor, Option<crate::kernels::TransposedKeys>),
         v: &Tensor,
         mask: &BlockMask,
         cached: usize,
@@ -279,11 +281,13 @@ impl Transformer {
         let rows = q.dim(1)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         if self.cpu_kernels() {
-            use crate::kernels::{attention_f32, Visibility};
+            use crate::kernels::{attention_f32_keys, Visibility};
             return Ok(match mask {
-                BlockMask::Causal => attention_f32(q, k, v, Visibility::Causal { offset: cached }, scale)?,
+                BlockMask::Causal => {
+                    attention_f32_keys(q, (k, kt), v, Visibility::Causal { offset: cached }, scale)?
+                }
                 BlockMask::Additive(m) => crate::kernels::with_f32(&m.to_dtype(DType::F32)?, |mask| {
-                    attention_f32(q, k, v, Visibility::Additive(mask), scale)
+                    attention_f32_keys(q, (k, kt), v, Visibility::Additive(mask), scale)
                 })??,
             });
         }
