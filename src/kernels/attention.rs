@@ -41,8 +41,9 @@ const LANES: usize = 16;
 pub const KEY_CHUNK: usize = 64;
 
 /// Keys laid out as the scores read them, kept by the caller across calls (the KV cache): key `j`'s
-/// value `d` of key/value head `h` at `data[(h · hd + d) · stride + j]`, `stride` a multiple of
-/// [`KEY_CHUNK`] (a chunk is read whole; what lies past the last key is never used).
+/// value `d` of key/value head `h` at `data[(h · hd + d) · stride + j]`, `stride` at least the keys
+/// rounded up to a whole [`KEY_CHUNK`] (a chunk is read whole; what lies past the last key is never
+/// used).
 #[derive(Clone, Copy)]
 pub struct TransposedKeys<'a> {
     pub data: &'a [f32],
@@ -709,10 +710,7 @@ fn attention_with(
         super::cpu_f32(&vg, vl.start_offset())?,
     );
     if let Some(t) = kt {
-        if !t.stride.is_multiple_of(KEY_CHUNK)
-            || t.stride < keys.next_multiple_of(KEY_CHUNK)
-            || t.data.len() < kv_heads * hd * t.stride
-        {
+        if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
             return Err(Error::Msg(format!(
                 "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
                 t.stride,

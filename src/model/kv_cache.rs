@@ -22,9 +22,10 @@ pub struct KvCache {
 }
 
 /// Columns of a transposed key row for `capacity` keys: whole chunks of the kernel's scores, which read
-/// a chunk past the last key.
+/// a chunk past the last key, and 16 more, so that rows do not lie a multiple of 4 KiB apart (the
+/// scores read one chunk of every row: at such a stride all of them fall into the same L1 sets).
 fn transposed_stride(capacity: usize) -> usize {
-    capacity.next_multiple_of(crate::kernels::KEY_CHUNK)
+    capacity.next_multiple_of(crate::kernels::KEY_CHUNK) + 16
 }
 
 impl KvCache {
@@ -212,7 +213,7 @@ mod tests {
             .to_vec1()
             .unwrap();
         let t = cache.transposed_keys(layer).unwrap();
-        assert!(t.stride.is_multiple_of(crate::kernels::KEY_CHUNK) && t.stride >= cache.capacity());
+        assert!(t.stride >= cache.capacity().next_multiple_of(crate::kernels::KEY_CHUNK));
         for j in 0..len {
             for c in 0..width {
                 assert_eq!(
