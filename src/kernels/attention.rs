@@ -267,11 +267,13 @@ impl Problem<'_> {
             // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
             // would otherwise score 320; a score is its own chain, so the width cannot change it).
             let (keys, scores) = ((kt, ks), (&mut s.scores[..], kp));
+            // Four slots at a time where 32 vector registers hold their 16 chains.
+            let quads = width == Width::W512;
             match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
-                1 => score_pairs::<16>(slots, q, keys, j0, scores),
-                2 => score_pairs::<32>(slots, q, keys, j0, scores),
-                3 => score_pairs::<48>(slots, q, keys, j0, scores),
-                _ => score_pairs::<KEY_CHUNK>(slots, q, keys, j0, scores),
+                1 => score_pairs::<16>(slots, q, keys, j0, scores, quads),
+                2 => score_pairs::<32>(slots, q, keys, j0, scores, quads),
+                3 => score_pairs::<48>(slots, q, keys, j0, scores, quads),
+                _ => score_pairs::<KEY_CHUNK>(slots, q, keys, j0, scores, quads),
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
@@ -521,11 +523,18 @@ fn score_pairs<'q, const W: usize>(
     (kt, ks): (&[f32], usize),
     j0: usize,
     (scores, kp): (&mut [f32], usize),
+    quads: bool,
 ) {
     let mut slot = 0;
     while slot < slots {
         let out = &mut scores[slot * kp + j0..];
-        if slot + 1 < slots {
+        if quads && slot + 3 < slots {
+            let qs = [q(slot), q(slot + 1), q(slot + 2), q(slot + 3)];
+            for (i, chunk) in score_chunk::<4, W>(qs, kt, ks, j0).iter().enumerate() {
+                out[i * kp..][..W].copy_from_slice(chunk);
+            }
+            slot += 4;
+        } else if slot + 1 < slots {
             for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, ks, j0)
                 .iter()
                 .enumerate()
