@@ -646,15 +646,17 @@ pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale:
     attention_f32_with(Width::best(), q, k, v, vis, scale)
 }
 
-/// [`attention_f32`] with, where the caller keeps them, the same keys already transposed (read instead
-/// of transposing `k`; the same bits).
-pub fn attention_f32_keys(
-    q: &Tensor,
-    k: (&Tensor, Option<TransposedKeys>),
-    v: &Tensor,
-    vis: Visibility,
-    scale: f32,
-) -> Result<Tensor> {
+/// The keys attention reads.
+#[derive(Clone, Copy)]
+pub enum Keys<'a> {
+    /// `[1, keys, kv_heads, hd]` as the values: each call transposes them.
+    Rows(&'a Tensor),
+    /// Kept transposed by the caller (the values give their number and heads): read as they are.
+    Transposed(TransposedKeys<'a>),
+}
+
+/// [`attention_f32`] with the keys in either form (the same bits).
+pub fn attention_f32_keys(q: &Tensor, k: Keys, v: &Tensor, vis: Visibility, scale: f32) -> Result<Tensor> {
     attention_with(Width::best(), q, k, v, vis, scale)
 }
 
@@ -670,29 +672,42 @@ pub fn attention_f32_with(
     vis: Visibility,
     scale: f32,
 ) -> Result<Tensor> {
-    attention_with(width, q, (k, None), v, vis, scale)
+    attention_with(width, q, Keys::Rows(k), v, vis, scale)
 }
 
 fn attention_with(
     width: Width,
     q: &Tensor,
-    (k, kt): (&Tensor, Option<TransposedKeys>),
+    k: Keys,
     v: &Tensor,
     vis: Visibility,
     scale: f32,
 ) -> Result<Tensor> {
     assert!(width.available(), "{width:?} attention on a CPU without it");
-    for t in [q, k, v] {
+    let k_rows = match k {
+        Keys::Rows(k) => Some(k),
+        Keys::Transposed(_) => None,
+    };
+    for t in [q, v].into_iter().chain(k_rows) {
         if t.dtype() != DType::F32 {
             return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
         }
     }
     let (_, rows, heads, hd) = q.dims4()?;
-    let (_, keys, kv_heads, _) = k.dims4()?;
-    if kv_heads == 0 || heads % kv_heads != 0 {
+    let (_, keys, kv_heads, vhd) = v.dims4()?;
+    if kv_heads == 0 || heads % kv_heads != 0 || vhd != hd {
         return Err(Error::Msg(format!(
-            "attention_f32: {heads} query heads over {kv_heads} key/value heads"
+            "attention_f32: {heads} query heads of {hd} over {kv_heads} key/value heads of {vhd}"
         )));
+    }
+    if let Some(k) = k_rows {
+        if k.dims() != v.dims() {
+            return Err(Error::Msg(format!(
+                "attention_f32: keys {:?} and values {:?}",
+                k.dims(),
+                v.dims()
+            )));
+        }
     }
     if let Visibility::Additive(m) = vis {
         if m.len() != rows * keys {
@@ -705,19 +720,25 @@ fn attention_with(
     let q = q.contiguous()?;
     let (qg, ql) = q.storage_and_layout();
     let qv = &super::cpu_f32(&qg, ql.start_offset())?[..rows * heads * hd];
-    let (kg, kl) = k.storage_and_layout();
     let (vg, vl) = v.storage_and_layout();
     // Keys and values are read row by row: each [kv_heads, hd] row must be contiguous.
-    let row_stride = kl.stride()[1];
-    if kl.stride()[2..] != [hd, 1] || vl.stride()[2..] != [hd, 1] || vl.stride()[1] != row_stride {
+    let row_stride = vl.stride()[1];
+    let k_storage = k_rows.map(|k| k.storage_and_layout());
+    let contiguous = |l: &candle_core::Layout| l.stride()[2..] == [hd, 1] && l.stride()[1] == row_stride;
+    if !contiguous(vl) || k_storage.as_ref().is_some_and(|(_, kl)| !contiguous(kl)) {
         return Err(Error::Msg(
             "attention_f32: keys/values rows must be contiguous".into(),
         ));
     }
-    let (kd, vd) = (
-        super::cpu_f32(&kg, kl.start_offset())?,
-        super::cpu_f32(&vg, vl.start_offset())?,
-    );
+    let vd = super::cpu_f32(&vg, vl.start_offset())?;
+    let kd = match &k_storage {
+        Some((kg, kl)) => super::cpu_f32(kg, kl.start_offset())?,
+        None => &[],
+    };
+    let kt = match k {
+        Keys::Transposed(t) => Some(t),
+        Keys::Rows(_) => None,
+    };
     if let Some(t) = kt {
         if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
             return Err(Error::Msg(format!(
@@ -966,7 +987,7 @@ mod tests {
             .collect();
         for vis in [Visibility::Causal { offset: cached }, Visibility::Additive(&mask)] {
             let want = attention_f32(&q, &k, &v, vis, 0.125).unwrap();
-            let got = attention_f32_keys(&q, (&k, Some(kt)), &v, vis, 0.125).unwrap();
+            let got = attention_f32_keys(&q, Keys::Transposed(kt), &v, vis, 0.125).unwrap();
             let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
             let (want, got) = (flat(want), flat(got));
             assert!(want.iter().all(|x| x.is_finite()));
@@ -978,7 +999,7 @@ mod tests {
         };
         assert!(attention_f32_keys(
             &q,
-            (&k, Some(short)),
+            Keys::Transposed(short),
             &v,
             Visibility::Causal { offset: cached },
             0.1

@@ -1,21 +1,21 @@
 //! Preallocated key/value cache: one `[1, capacity, kv_heads, head_dim]` buffer per layer for keys and one
 //! for values, written in place. Speculative steps append a whole block, then keep only the accepted rows.
 //!
-//! For the CPU kernels the keys are also kept transposed ([`TransposedKeys`]), as the attention kernel
-//! scores them: laid out once when written instead of on every step (transposing a 1024-token cache
-//! every step took a third of a one-row step).
+//! For the CPU kernels the keys are kept transposed instead ([`TransposedKeys`]), as the attention
+//! kernel scores them: laid out once when written rather than on every step.
 
 use crate::kernels::TransposedKeys;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 pub struct KvCache {
+    /// Per layer, the keys as rows (none when they are kept transposed).
     keys: Vec<Tensor>,
     values: Vec<Tensor>,
     len: usize,
     capacity: usize,
     /// Per layer, the keys transposed (see [`TransposedKeys`]; `[kv_heads · head_dim][stride]`), when
-    /// the cache serves the CPU kernels.
+    /// the cache serves the CPU kernels (instead of `keys`).
     keys_t: Option<Vec<Vec<f32>>>,
     kv_heads: usize,
     head_dim: usize,
@@ -29,7 +29,7 @@ fn transposed_stride(capacity: usize) -> usize {
 }
 
 impl KvCache {
-    /// With `transposed`, the keys are also kept as the CPU kernels read them (f32 only).
+    /// With `transposed`, the keys are kept only as the CPU kernels read them (f32 only).
     pub fn new(
         num_layers: usize,
         capacity: usize,
@@ -45,7 +45,9 @@ impl KvCache {
         let mut keys = Vec::with_capacity(num_layers);
         let mut values = Vec::with_capacity(num_layers);
         for _ in 0..num_layers {
-            keys.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
+            if !transposed {
+                keys.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
+            }
             values.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
         }
         let keys_t = transposed
@@ -120,10 +122,13 @@ impl KvCache {
     /// Writes a block's keys and values (`[1, rows, kv_heads, head_dim]`) after the committed rows and returns
     /// views over everything the block attends to. `len` advances only in [`KvCache::advance`], once all
     /// layers have written.
-    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The keys' view is `None` when the cache keeps them transposed ([`KvCache::transposed_keys`]).
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
-        self.keys[layer].slice_set(k, 1, self.len)?;
+        if let Some(keys) = self.keys.get(layer) {
+            keys.slice_set(k, 1, self.len)?;
+        }
         self.values[layer].slice_set(v, 1, self.len)?;
         if let Some(layers) = &mut self.keys_t {
             let (stride, len, width) = (
@@ -141,10 +146,11 @@ impl KvCache {
             })?;
         }
         let total = self.len + rows;
-        Ok((
-            self.keys[layer].narrow(1, 0, total)?,
-            self.values[layer].narrow(1, 0, total)?,
-        ))
+        let keys = match self.keys.get(layer) {
+            Some(keys) => Some(keys.narrow(1, 0, total)?),
+            None => None,
+        };
+        Ok((keys, self.values[layer].narrow(1, 0, total)?))
     }
 
     /// Layer `layer`'s keys as the CPU kernels read them (written up to the last [`KvCache::write`]), if
@@ -175,7 +181,7 @@ impl KvCache {
                 bail!("kv cache keep: row out of range");
             }
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
-            let idx = Tensor::new(idx.as_slice(), self.keys[0].device())?;
+            let idx = Tensor::new(idx.as_slice(), self.values[0].device())?;
             for t in self.keys.iter().chain(self.values.iter()) {
                 let kept = t.narrow(1, start, span)?.index_select(&idx, 1)?;
                 t.slice_set(&kept, 1, start)?;
@@ -202,25 +208,14 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    /// The transposed keys against the row-major ones: `[kv_heads · head_dim][len]` read both ways.
-    fn assert_transposed_match(cache: &KvCache, layer: usize) {
-        let (len, width) = (cache.len(), cache.kv_heads * cache.head_dim);
-        let rows: Vec<f32> = cache.keys[layer]
-            .narrow(1, 0, len)
-            .unwrap()
-            .flatten_all()
-            .unwrap()
-            .to_vec1()
-            .unwrap();
+    /// The transposed keys against the rows written (`rows[j]`: key j's `kv_heads · head_dim` values).
+    fn assert_transposed_match(cache: &KvCache, layer: usize, rows: &[Vec<f32>]) {
+        assert_eq!(cache.len(), rows.len());
         let t = cache.transposed_keys(layer).unwrap();
         assert!(t.stride >= cache.capacity().next_multiple_of(crate::kernels::KEY_CHUNK));
-        for j in 0..len {
-            for c in 0..width {
-                assert_eq!(
-                    t.data[c * t.stride + j],
-                    rows[j * width + c],
-                    "key {j}, column {c}"
-                );
+        for (j, row) in rows.iter().enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                assert_eq!(t.data[c * t.stride + j], x, "key {j}, column {c}");
             }
         }
     }
@@ -231,36 +226,38 @@ mod tests {
     fn transposed_keys_follow_writes_keeps_and_growth() {
         let (layers, kvh, hd) = (2, 3, 4);
         let mut cache = KvCache::new(layers, 10, kvh, hd, DType::F32, &Device::Cpu, true).unwrap();
+        // Per layer, the rows the cache should hold.
+        let mut shadow: Vec<Vec<Vec<f32>>> = vec![Vec::new(); layers];
         let mut next = 0.0f32;
-        let mut block = |rows: usize| {
-            let v: Vec<f32> = (0..rows * kvh * hd)
-                .map(|_| {
-                    next += 1.0;
-                    next
-                })
-                .collect();
-            Tensor::from_vec(v, (1, rows, kvh, hd), &Device::Cpu).unwrap()
-        };
-        for rows in [4, 3] {
-            for l in 0..layers {
-                let k = block(rows);
-                cache.write(l, &k, &k).unwrap();
+        let mut write = |cache: &mut KvCache, shadow: &mut Vec<Vec<Vec<f32>>>, rows: usize| {
+            for (l, held) in shadow.iter_mut().enumerate() {
+                let v: Vec<f32> = (0..rows * kvh * hd)
+                    .map(|_| {
+                        next += 1.0;
+                        next
+                    })
+                    .collect();
+                held.extend(v.chunks(kvh * hd).map(<[f32]>::to_vec));
+                let k = Tensor::from_vec(v, (1, rows, kvh, hd), &Device::Cpu).unwrap();
+                let (keys, values) = cache.write(l, &k, &k).unwrap();
+                assert!(keys.is_none());
+                assert_eq!(values.dim(1).unwrap(), held.len());
             }
             cache.advance(rows);
-        }
-        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
+        };
+        write(&mut cache, &mut shadow, 4);
+        write(&mut cache, &mut shadow, 3);
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
         // Of the 3 rows from 4, keep offsets 0 and 2 (a tree's root and accepted node).
         cache.keep(4, &[0, 2]).unwrap();
-        assert_eq!(cache.len(), 6);
-        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
-        cache.reserve(100).unwrap();
-        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
-        for l in 0..layers {
-            let k = block(5);
-            cache.write(l, &k, &k).unwrap();
+        for held in shadow.iter_mut() {
+            held.remove(5);
         }
-        cache.advance(5);
-        (0..layers).for_each(|l| assert_transposed_match(&cache, l));
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
+        cache.reserve(100).unwrap();
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
+        write(&mut cache, &mut shadow, 5);
+        (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
         assert!(KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false)
             .unwrap()
             .transposed_keys(0)

@@ -246,8 +246,12 @@ impl Transformer {
             )
         };
         let (k_all, v_all) = cache.write(layer_idx, &k, &v.contiguous()?)?;
-        let kt = cache.transposed_keys(layer_idx);
-        let attn = self.attention(&q, (&k_all, kt), &v_all, mask, cache.len())?;
+        let keys = match (&k_all, cache.transposed_keys(layer_idx)) {
+            (Some(k), _) => crate::kernels::Keys::Rows(k),
+            (None, Some(t)) => crate::kernels::Keys::Transposed(t),
+            (None, None) => bail!("the KV cache holds no keys"),
+        };
+        let attn = self.attention(&q, keys, &v_all, mask, cache.len())?;
         let x = self.residual(x, &l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
@@ -272,7 +276,7 @@ impl Transformer {
     fn attention(
         &self,
         q: &Tensor,
-        (k, kt): (&Tensor, Option<crate::kernels::TransposedKeys>),
+        keys: crate::kernels::Keys,
         v: &Tensor,
         mask: &BlockMask,
         cached: usize,
@@ -284,13 +288,16 @@ impl Transformer {
             use crate::kernels::{attention_f32_keys, Visibility};
             return Ok(match mask {
                 BlockMask::Causal => {
-                    attention_f32_keys(q, (k, kt), v, Visibility::Causal { offset: cached }, scale)?
+                    attention_f32_keys(q, keys, v, Visibility::Causal { offset: cached }, scale)?
                 }
                 BlockMask::Additive(m) => crate::kernels::with_f32(&m.to_dtype(DType::F32)?, |mask| {
-                    attention_f32_keys(q, (k, kt), v, Visibility::Additive(mask), scale)
+                    attention_f32_keys(q, keys, v, Visibility::Additive(mask), scale)
                 })??,
             });
         }
+        let crate::kernels::Keys::Rows(k) = keys else {
+            bail!("transposed keys are for the CPU kernels only");
+        };
         if self.device.is_cpu() {
             use candle_nn::attention::{flash_attn, AttnMask};
             let m = match mask {
