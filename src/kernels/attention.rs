@@ -796,6 +796,22 @@ mod tests {
         Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
     }
 
+    /// Queries `[1, rows, heads, hd]`, keys and values `[1, keys, kvh, hd]`, from seeds `seed ..= seed + 2`.
+    fn qkv(
+        rows: usize,
+        heads: usize,
+        kvh: usize,
+        hd: usize,
+        keys: usize,
+        seed: u32,
+    ) -> (Tensor, Tensor, Tensor) {
+        (
+            rand_tensor(&[1, rows, heads, hd], seed),
+            rand_tensor(&[1, keys, kvh, hd], seed + 1),
+            rand_tensor(&[1, keys, kvh, hd], seed + 2),
+        )
+    }
+
     /// Straightforward f64 attention over the visible keys.
     fn reference(q: &Tensor, k: &Tensor, v: &Tensor, visible: &dyn Fn(usize, usize) -> bool) -> Vec<f32> {
         let (_, rows, heads, hd) = q.dims4().unwrap();
@@ -844,9 +860,7 @@ mod tests {
             (5, 9, 3, 64, 150),
         ] {
             let keys = cached + rows;
-            let q = rand_tensor(&[1, rows, heads, hd], 4);
-            let k = rand_tensor(&[1, keys, kvh, hd], 5);
-            let v = rand_tensor(&[1, keys, kvh, hd], 6);
+            let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 4);
             let vis = Visibility::Causal { offset: cached };
             let run = |w| {
                 attention_f32_with(w, &q, &k, &v, vis, 0.3)
@@ -871,9 +885,7 @@ mod tests {
     fn matches_reference_and_is_row_invariant() {
         let (rows, heads, kvh, hd, cached) = (5, 4, 2, 16, 7);
         let keys = cached + rows;
-        let q = rand_tensor(&[1, rows, heads, hd], 1);
-        let k = rand_tensor(&[1, keys, kvh, hd], 2);
-        let v = rand_tensor(&[1, keys, kvh, hd], 3);
+        let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 1);
         let scale = 1.0 / (hd as f32).sqrt();
         // A tree: rows 0 <- 1 <- 2, and 0 <- 3 <- 4.
         let parent = [usize::MAX, 0, 1, 0, 3];
@@ -919,9 +931,7 @@ mod tests {
     fn long_causal_blocks_are_row_invariant() {
         let (rows, heads, kvh, hd, cached) = (3 * MAX_TILE_ROWS + 5, 9, 3, 64, 11);
         let keys = cached + rows;
-        let q = rand_tensor(&[1, rows, heads, hd], 7);
-        let k = rand_tensor(&[1, keys, kvh, hd], 8);
-        let v = rand_tensor(&[1, keys, kvh, hd], 9);
+        let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 7);
         let mask: Vec<f32> = (0..rows)
             .flat_map(|r| (0..keys).map(move |j| if j <= cached + r { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
@@ -964,9 +974,7 @@ mod tests {
     fn transposed_keys_give_the_same_bits() {
         let (rows, heads, kvh, hd, cached) = (6, 9, 3, 64, 70);
         let keys = cached + rows;
-        let q = rand_tensor(&[1, rows, heads, hd], 11);
-        let k = rand_tensor(&[1, keys, kvh, hd], 12);
-        let v = rand_tensor(&[1, keys, kvh, hd], 13);
+        let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 11);
         let stride = 3 * KEY_CHUNK;
         let kv = k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut data = vec![f32::NAN; kvh * hd * stride];
@@ -1017,9 +1025,7 @@ mod tests {
         let (heads, kvh, hd, cached) = (9, 3, 64, 256);
         for rows in [1, 2, 4, 8, 16, 32] {
             let keys = cached + rows;
-            let q = rand_tensor(&[1, rows, heads, hd], 1);
-            let k = rand_tensor(&[1, keys, kvh, hd], 2);
-            let v = rand_tensor(&[1, keys, kvh, hd], 3);
+            let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 1);
             let mask: Vec<f32> = (0..rows)
                 .flat_map(|r| {
                     (0..keys).map(move |j| {
