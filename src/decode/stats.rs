@@ -13,6 +13,7 @@ pub struct DecodeStats {
     pub model_calls: usize,
     /// Tokens committed by those calls / model_calls (1.0 for plain decoding).
     pub tau: f64,
+    /// The prompt's forward pass and first token, from after the drafter's setup.
     pub prefill_seconds: f64,
     /// Prompt tokens the prefill computed (fewer than the prompt when a conversation's cache held the rest).
     pub prefill_tokens: usize,
