@@ -173,9 +173,7 @@ impl Width {
 /// One attention problem, cut into units of (key/value head, tile of query rows).
 struct Problem<'a> {
     qv: &'a [f32],
-    kd: &'a [f32],
-    /// The keys already transposed, when the caller keeps them so (else each unit transposes its own).
-    kt: Option<TransposedKeys<'a>>,
+    keys_in: KeyData<'a>,
     vd: &'a [f32],
     vis: Visibility<'a>,
     scale: f32,
@@ -186,6 +184,15 @@ struct Problem<'a> {
     hd: usize,
     row_stride: usize,
     tile: usize,
+}
+
+/// The keys as the kernel reads them.
+#[derive(Clone, Copy)]
+enum KeyData<'a> {
+    /// Row-major like the values (`row_stride` apart): each unit transposes its own.
+    Rows(&'a [f32]),
+    /// Already transposed by the caller.
+    Transposed(TransposedKeys<'a>),
 }
 
 /// Per-unit buffers.
@@ -247,10 +254,10 @@ impl Problem<'_> {
         };
         let kp = seen.next_multiple_of(KEY_CHUNK);
         // `kt[d · ks + j]`: key j's value d of this head.
-        let (kt, ks) = match self.kt {
-            Some(t) => (&t.data[kvh * hd * t.stride..][..hd * t.stride], t.stride),
-            None => {
-                self.transpose_keys(width, kvh, seen, kp, &mut s.kt);
+        let (kt, ks) = match self.keys_in {
+            KeyData::Transposed(t) => (&t.data[kvh * hd * t.stride..][..hd * t.stride], t.stride),
+            KeyData::Rows(kd) => {
+                self.transpose_keys(width, kd, kvh, seen, kp, &mut s.kt);
                 (&s.kt[..hd * kp], kp)
             }
         };
@@ -263,17 +270,17 @@ impl Problem<'_> {
             let (r, g) = (rows.start + slot / group, slot % group);
             &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
         };
+        // Four slots at a time where 32 vector registers hold their 16 chains, else two.
+        let quads = width == Width::W512;
         for j0 in (0..kp).step_by(KEY_CHUNK) {
             // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
             // would otherwise score 320; a score is its own chain, so the width cannot change it).
             let (keys, scores) = ((kt, ks), (&mut s.scores[..], kp));
-            // Four slots at a time where 32 vector registers hold their 16 chains.
-            let quads = width == Width::W512;
             match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
-                1 => score_pairs::<16>(slots, q, keys, j0, scores, quads),
-                2 => score_pairs::<32>(slots, q, keys, j0, scores, quads),
-                3 => score_pairs::<48>(slots, q, keys, j0, scores, quads),
-                _ => score_pairs::<KEY_CHUNK>(slots, q, keys, j0, scores, quads),
+                1 => score_slots::<16>(slots, q, keys, j0, scores, quads),
+                2 => score_slots::<32>(slots, q, keys, j0, scores, quads),
+                3 => score_slots::<48>(slots, q, keys, j0, scores, quads),
+                _ => score_slots::<KEY_CHUNK>(slots, q, keys, j0, scores, quads),
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
@@ -355,7 +362,15 @@ impl Problem<'_> {
     /// keep whatever they held: their scores are never read). Pure data movement, so how it is done
     /// cannot change a result.
     #[inline(always)]
-    fn transpose_keys(&self, width: Width, kvh: usize, seen: usize, kp: usize, kt: &mut Vec<f32>) {
+    fn transpose_keys(
+        &self,
+        width: Width,
+        kd: &[f32],
+        kvh: usize,
+        seen: usize,
+        kp: usize,
+        kt: &mut Vec<f32>,
+    ) {
         let hd = self.hd;
         if kt.len() < hd * kp {
             kt.resize(hd * kp, 0.0);
@@ -364,7 +379,7 @@ impl Problem<'_> {
         // The head's key rows PREFETCH_KEYS on, asked for as each block of keys is moved.
         let prefetch = |j0: usize, n: usize| {
             for j in j0 + PREFETCH_KEYS..(j0 + PREFETCH_KEYS + n).min(seen) {
-                super::prefetch_l1(self.kd.as_ptr().wrapping_add(src(j, 0)).cast(), 4 * hd);
+                super::prefetch_l1(kd.as_ptr().wrapping_add(src(j, 0)).cast(), 4 * hd);
             }
         };
         let mut j0 = 0;
@@ -373,7 +388,7 @@ impl Problem<'_> {
             while j0 + LANES <= seen {
                 prefetch(j0, LANES);
                 for d0 in (0..hd).step_by(LANES) {
-                    let from = &self.kd[src(j0, d0)..src(j0 + LANES - 1, d0) + LANES];
+                    let from = &kd[src(j0, d0)..src(j0 + LANES - 1, d0) + LANES];
                     let to = &mut kt[d0 * kp + j0..(d0 + LANES - 1) * kp + j0 + LANES];
                     // SAFETY: W512 was checked by the caller; both slices span the 16 x 16 block.
                     unsafe { transpose16_avx512(from, self.row_stride, to, kp) };
@@ -386,7 +401,7 @@ impl Problem<'_> {
             while j0 + 8 <= seen {
                 prefetch(j0, 8);
                 for d0 in (0..hd).step_by(8) {
-                    let from = &self.kd[src(j0, d0)..src(j0 + 7, d0) + 8];
+                    let from = &kd[src(j0, d0)..src(j0 + 7, d0) + 8];
                     let to = &mut kt[d0 * kp + j0..(d0 + 7) * kp + j0 + 8];
                     // SAFETY: W256 (AVX2) was checked by the caller; both slices span the 8 x 8 block.
                     unsafe { transpose8_avx(from, self.row_stride, to, kp) };
@@ -397,7 +412,7 @@ impl Problem<'_> {
         let _ = width;
         for j in j0..seen {
             for d in 0..hd {
-                kt[d * kp + j] = self.kd[src(j, d)];
+                kt[d * kp + j] = kd[src(j, d)];
             }
         }
     }
@@ -428,21 +443,11 @@ impl Problem<'_> {
         for d0 in (0..hd).step_by(DIM_CHUNK) {
             let n = DIM_CHUNK.min(hd - d0);
             let mut acc = [[0.0f32; DIM_CHUNK]; N];
-            // A whole chunk has a constant width, so its accumulators stay in registers.
-            if n == DIM_CHUNK {
-                self.accumulate::<N>(kvh, keys, p, d0, DIM_CHUNK, slot0 == 0, &mut acc);
-            } else {
-                self.accumulate::<N>(kvh, keys, p, d0, n, slot0 == 0, &mut acc);
-            }
+            self.accumulate::<N>(kvh, keys, p, d0, n, slot0 == 0, &mut acc);
             for (i, a) in acc.iter_mut().enumerate() {
                 let rest = &visible(i)[shared..];
                 let one: &mut [[f32; DIM_CHUNK]; 1] = std::slice::from_mut(a).try_into().unwrap();
-                let pr = [&p[i][shared..]];
-                if n == DIM_CHUNK {
-                    self.accumulate::<1>(kvh, rest, pr, d0, DIM_CHUNK, false, one);
-                } else {
-                    self.accumulate::<1>(kvh, rest, pr, d0, n, false, one);
-                }
+                self.accumulate::<1>(kvh, rest, [&p[i][shared..]], d0, n, false, one);
                 let (r, g) = (row0 + ri(i), (slot0 + i) % group);
                 // SAFETY: row r's head g of this group is written by this unit only.
                 let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
@@ -456,10 +461,31 @@ impl Problem<'_> {
 
     /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= DIM_CHUNK`);
     /// with `prefetch`, the values [`PREFETCH_KEYS`] keys ahead are asked for (the first pass of a tile
-    /// over its keys: the later ones find them in the caches).
+    /// over its keys: the later ones find them in the caches). A whole chunk is compiled at its constant
+    /// width, so that its accumulators stay in registers.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the accumulators' inputs, kept apart so that widths stay constant
     fn accumulate<const N: usize>(
+        &self,
+        kvh: usize,
+        keys: &[u32],
+        p: [&[f32]; N],
+        d0: usize,
+        n: usize,
+        prefetch: bool,
+        acc: &mut [[f32; DIM_CHUNK]; N],
+    ) {
+        if n == DIM_CHUNK {
+            self.accumulate_n::<N>(kvh, keys, p, d0, DIM_CHUNK, prefetch, acc)
+        } else {
+            self.accumulate_n::<N>(kvh, keys, p, d0, n, prefetch, acc)
+        }
+    }
+
+    /// [`Problem::accumulate`] at width `n`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    fn accumulate_n<const N: usize>(
         &self,
         kvh: usize,
         keys: &[u32],
@@ -514,10 +540,11 @@ fn score_chunk<const N: usize, const W: usize>(
 }
 
 /// [`score_chunk`] of the W keys from `j0` (`keys`: the transposed keys and their stride) for every
-/// slot (`q(slot)` its query, its scores at `scores.0[slot · scores.1 ..]`), two slots at a time: each
-/// key chunk loaded once for both, 2 x 4 independent chains (four slots measured slower).
+/// slot (`q(slot)` its query, its scores at `scores.0[slot · scores.1 ..]`), each key chunk loaded once
+/// for several slots: four with `quads` (16 chains; AVX-512's 32 registers hold them), else two (8
+/// chains, what AVX2's 16 hold); the last one or two slots in smaller groups.
 #[inline(always)]
-fn score_pairs<'q, const W: usize>(
+fn score_slots<'q, const W: usize>(
     slots: usize,
     q: impl Fn(usize) -> &'q [f32],
     (kt, ks): (&[f32], usize),
@@ -684,14 +711,8 @@ fn attention_with(
     scale: f32,
 ) -> Result<Tensor> {
     assert!(width.available(), "{width:?} attention on a CPU without it");
-    let k_rows = match k {
-        Keys::Rows(k) => Some(k),
-        Keys::Transposed(_) => None,
-    };
-    for t in [q, v].into_iter().chain(k_rows) {
-        if t.dtype() != DType::F32 {
-            return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
-        }
+    if q.dtype() != DType::F32 || v.dtype() != DType::F32 {
+        return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
     }
     let (_, rows, heads, hd) = q.dims4()?;
     let (_, keys, kv_heads, vhd) = v.dims4()?;
@@ -699,15 +720,6 @@ fn attention_with(
         return Err(Error::Msg(format!(
             "attention_f32: {heads} query heads of {hd} over {kv_heads} key/value heads of {vhd}"
         )));
-    }
-    if let Some(k) = k_rows {
-        if k.dims() != v.dims() {
-            return Err(Error::Msg(format!(
-                "attention_f32: keys {:?} and values {:?}",
-                k.dims(),
-                v.dims()
-            )));
-        }
     }
     if let Visibility::Additive(m) = vis {
         if m.len() != rows * keys {
@@ -723,31 +735,41 @@ fn attention_with(
     let (vg, vl) = v.storage_and_layout();
     // Keys and values are read row by row: each [kv_heads, hd] row must be contiguous.
     let row_stride = vl.stride()[1];
-    let k_storage = k_rows.map(|k| k.storage_and_layout());
     let contiguous = |l: &candle_core::Layout| l.stride()[2..] == [hd, 1] && l.stride()[1] == row_stride;
-    if !contiguous(vl) || k_storage.as_ref().is_some_and(|(_, kl)| !contiguous(kl)) {
-        return Err(Error::Msg(
-            "attention_f32: keys/values rows must be contiguous".into(),
-        ));
+    let rows_error = || Error::Msg("attention_f32: keys/values rows must be contiguous".into());
+    if !contiguous(vl) {
+        return Err(rows_error());
     }
     let vd = super::cpu_f32(&vg, vl.start_offset())?;
-    let kd = match &k_storage {
-        Some((kg, kl)) => super::cpu_f32(kg, kl.start_offset())?,
-        None => &[],
-    };
-    let kt = match k {
-        Keys::Transposed(t) => Some(t),
-        Keys::Rows(_) => None,
-    };
-    if let Some(t) = kt {
-        if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
-            return Err(Error::Msg(format!(
-                "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
-                t.stride,
-                t.data.len()
-            )));
+    let k_storage;
+    let keys_in = match k {
+        Keys::Rows(k) => {
+            let (kdims, vdims) = (k.dims(), v.dims());
+            if k.dtype() != DType::F32 {
+                return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
+            }
+            if kdims != vdims {
+                return Err(Error::Msg(format!(
+                    "attention_f32: keys {kdims:?} and values {vdims:?}"
+                )));
+            }
+            k_storage = k.storage_and_layout();
+            if !contiguous(k_storage.1) {
+                return Err(rows_error());
+            }
+            KeyData::Rows(super::cpu_f32(&k_storage.0, k_storage.1.start_offset())?)
         }
-    }
+        Keys::Transposed(t) => {
+            if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
+                return Err(Error::Msg(format!(
+                    "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
+                    t.stride,
+                    t.data.len()
+                )));
+            }
+            KeyData::Transposed(t)
+        }
+    };
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
     // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units
@@ -758,8 +780,7 @@ fn attention_with(
         .max(rows.div_ceil(MAX_TILE_ROWS));
     let problem = Problem {
         qv,
-        kd,
-        kt,
+        keys_in,
         vd,
         vis,
         scale,

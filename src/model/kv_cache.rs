@@ -4,21 +4,24 @@
 //! For the CPU kernels the keys are kept transposed instead ([`TransposedKeys`]), as the attention
 //! kernel scores them: laid out once when written rather than on every step.
 
-use crate::kernels::TransposedKeys;
+use crate::kernels::{Keys, TransposedKeys};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
 pub struct KvCache {
-    /// Per layer, the keys as rows (none when they are kept transposed).
-    keys: Vec<Tensor>,
+    keys: KeyStore,
     values: Vec<Tensor>,
     len: usize,
     capacity: usize,
-    /// Per layer, the keys transposed (see [`TransposedKeys`]; `[kv_heads · head_dim][stride]`), when
-    /// the cache serves the CPU kernels (instead of `keys`).
-    keys_t: Option<Vec<Vec<f32>>>,
-    kv_heads: usize,
-    head_dim: usize,
+}
+
+/// Where the keys are kept.
+enum KeyStore {
+    /// Per layer `[1, capacity, kv_heads, head_dim]`, as the values.
+    Rows(Vec<Tensor>),
+    /// Per layer `[width][transposed_stride(capacity)]` ([`TransposedKeys`]), `width` = kv_heads ·
+    /// head_dim: for the CPU kernels.
+    Transposed { layers: Vec<Vec<f32>>, width: usize },
 }
 
 /// Columns of a transposed key row for `capacity` keys: whole chunks of the kernel's scores, which read
@@ -42,25 +45,38 @@ impl KvCache {
         if transposed && dtype != DType::F32 {
             bail!("transposed keys are f32");
         }
-        let mut keys = Vec::with_capacity(num_layers);
-        let mut values = Vec::with_capacity(num_layers);
-        for _ in 0..num_layers {
-            if !transposed {
-                keys.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
+        let buffer = || Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device);
+        let values = (0..num_layers)
+            .map(|_| buffer())
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        let keys = if transposed {
+            let width = kv_heads * head_dim;
+            KeyStore::Transposed {
+                layers: vec![vec![0.0f32; width * transposed_stride(capacity)]; num_layers],
+                width,
             }
-            values.push(Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device)?);
-        }
-        let keys_t = transposed
-            .then(|| vec![vec![0.0f32; kv_heads * head_dim * transposed_stride(capacity)]; num_layers]);
+        } else {
+            KeyStore::Rows(
+                (0..num_layers)
+                    .map(|_| buffer())
+                    .collect::<candle_core::Result<_>>()?,
+            )
+        };
         Ok(KvCache {
             keys,
             values,
             len: 0,
             capacity,
-            keys_t,
-            kv_heads,
-            head_dim,
         })
+    }
+
+    /// The row-major buffers: the values, and the keys when kept so.
+    fn row_buffers(&mut self) -> impl Iterator<Item = &mut Tensor> {
+        let keys = match &mut self.keys {
+            KeyStore::Rows(k) => k.as_mut_slice(),
+            KeyStore::Transposed { .. } => &mut [],
+        };
+        keys.iter_mut().chain(self.values.iter_mut())
     }
 
     /// Grows the buffers to hold at least `capacity` rows, keeping the committed ones.
@@ -68,23 +84,21 @@ impl KvCache {
         if capacity <= self.capacity {
             return Ok(());
         }
-        for t in self.keys.iter_mut().chain(self.values.iter_mut()) {
+        let len = self.len;
+        for t in self.row_buffers() {
             let (b, _, h, d) = t.dims4()?;
             let grown = Tensor::zeros((b, capacity, h, d), t.dtype(), t.device())?;
-            if self.len > 0 {
-                grown.slice_set(&t.narrow(1, 0, self.len)?, 1, 0)?;
+            if len > 0 {
+                grown.slice_set(&t.narrow(1, 0, len)?, 1, 0)?;
             }
             *t = grown;
         }
-        if let Some(layers) = &mut self.keys_t {
+        if let KeyStore::Transposed { layers, width } = &mut self.keys {
             let (old, new) = (transposed_stride(self.capacity), transposed_stride(capacity));
             for kt in layers.iter_mut() {
-                let mut grown = vec![0.0f32; self.kv_heads * self.head_dim * new];
-                // (A cache with rows has a stride.)
-                if self.len > 0 {
-                    for (to, from) in grown.chunks_exact_mut(new).zip(kt.chunks_exact(old)) {
-                        to[..self.len].copy_from_slice(&from[..self.len]);
-                    }
+                let mut grown = vec![0.0f32; *width * new];
+                for (to, from) in grown.chunks_exact_mut(new).zip(kt.chunks_exact(old)) {
+                    to[..len].copy_from_slice(&from[..len]);
                 }
                 *kt = grown;
             }
@@ -120,47 +134,39 @@ impl KvCache {
     }
 
     /// Writes a block's keys and values (`[1, rows, kv_heads, head_dim]`) after the committed rows and returns
-    /// views over everything the block attends to. `len` advances only in [`KvCache::advance`], once all
-    /// layers have written.
-    /// The keys' view is `None` when the cache keeps them transposed ([`KvCache::transposed_keys`]).
-    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Option<Tensor>, Tensor)> {
+    /// a view over the values the block attends to (its keys: [`KvCache::keys`]). `len` advances only in
+    /// [`KvCache::advance`], once all layers have written.
+    pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
-        if let Some(keys) = self.keys.get(layer) {
-            keys.slice_set(k, 1, self.len)?;
-        }
-        self.values[layer].slice_set(v, 1, self.len)?;
-        if let Some(layers) = &mut self.keys_t {
-            let (stride, len, width) = (
-                transposed_stride(self.capacity),
-                self.len,
-                self.kv_heads * self.head_dim,
-            );
-            let kt = &mut layers[layer];
-            crate::kernels::with_f32(k, |kv| {
-                for (r, row) in kv.chunks_exact(width).enumerate() {
-                    for (c, &x) in row.iter().enumerate() {
-                        kt[c * stride + len + r] = x;
+        let len = self.len;
+        match &mut self.keys {
+            KeyStore::Rows(keys) => keys[layer].slice_set(k, 1, len)?,
+            KeyStore::Transposed { layers, width } => {
+                let (kt, width, stride) = (&mut layers[layer], *width, transposed_stride(self.capacity));
+                crate::kernels::with_f32(k, |kv| {
+                    for (r, row) in kv.chunks_exact(width).enumerate() {
+                        for (c, &x) in row.iter().enumerate() {
+                            kt[c * stride + len + r] = x;
+                        }
                     }
-                }
-            })?;
+                })?;
+            }
         }
-        let total = self.len + rows;
-        let keys = match self.keys.get(layer) {
-            Some(keys) => Some(keys.narrow(1, 0, total)?),
-            None => None,
-        };
-        Ok((keys, self.values[layer].narrow(1, 0, total)?))
+        self.values[layer].slice_set(v, 1, len)?;
+        Ok(self.values[layer].narrow(1, 0, len + rows)?)
     }
 
-    /// Layer `layer`'s keys as the CPU kernels read them (written up to the last [`KvCache::write`]), if
-    /// the cache keeps them.
-    pub fn transposed_keys(&self, layer: usize) -> Option<TransposedKeys<'_>> {
-        let layers = self.keys_t.as_ref()?;
-        Some(TransposedKeys {
-            data: &layers[layer],
-            stride: transposed_stride(self.capacity),
-        })
+    /// Layer `layer`'s keys up to the last [`KvCache::write`]: as rows, the whole buffer (the first
+    /// rows are the written ones), or transposed.
+    pub fn keys(&self, layer: usize) -> Keys<'_> {
+        match &self.keys {
+            KeyStore::Rows(keys) => Keys::Rows(&keys[layer]),
+            KeyStore::Transposed { layers, .. } => Keys::Transposed(TransposedKeys {
+                data: &layers[layer],
+                stride: transposed_stride(self.capacity),
+            }),
+        }
     }
 
     pub fn advance(&mut self, rows: usize) {
@@ -182,11 +188,11 @@ impl KvCache {
             }
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             let idx = Tensor::new(idx.as_slice(), self.values[0].device())?;
-            for t in self.keys.iter().chain(self.values.iter()) {
+            for t in self.row_buffers() {
                 let kept = t.narrow(1, start, span)?.index_select(&idx, 1)?;
                 t.slice_set(&kept, 1, start)?;
             }
-            if let Some(layers) = &mut self.keys_t {
+            if let KeyStore::Transposed { layers, .. } = &mut self.keys {
                 let stride = transposed_stride(self.capacity);
                 for kt in layers.iter_mut() {
                     for col in kt.chunks_exact_mut(stride) {
@@ -211,7 +217,9 @@ mod tests {
     /// The transposed keys against the rows written (`rows[j]`: key j's `kv_heads · head_dim` values).
     fn assert_transposed_match(cache: &KvCache, layer: usize, rows: &[Vec<f32>]) {
         assert_eq!(cache.len(), rows.len());
-        let t = cache.transposed_keys(layer).unwrap();
+        let Keys::Transposed(t) = cache.keys(layer) else {
+            panic!("keys kept as rows");
+        };
         assert!(t.stride >= cache.capacity().next_multiple_of(crate::kernels::KEY_CHUNK));
         for (j, row) in rows.iter().enumerate() {
             for (c, &x) in row.iter().enumerate() {
@@ -239,8 +247,7 @@ mod tests {
                     .collect();
                 held.extend(v.chunks(kvh * hd).map(<[f32]>::to_vec));
                 let k = Tensor::from_vec(v, (1, rows, kvh, hd), &Device::Cpu).unwrap();
-                let (keys, values) = cache.write(l, &k, &k).unwrap();
-                assert!(keys.is_none());
+                let values = cache.write(l, &k, &k).unwrap();
                 assert_eq!(values.dim(1).unwrap(), held.len());
             }
             cache.advance(rows);
@@ -258,9 +265,7 @@ mod tests {
         (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
         write(&mut cache, &mut shadow, 5);
         (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
-        assert!(KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false)
-            .unwrap()
-            .transposed_keys(0)
-            .is_none());
+        let rows = KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false).unwrap();
+        assert!(matches!(rows.keys(0), Keys::Rows(_)));
     }
 }

@@ -245,13 +245,8 @@ impl Transformer {
                 candle_nn::rotary_emb::rope_thd(&k.contiguous()?, cos, sin)?,
             )
         };
-        let (k_all, v_all) = cache.write(layer_idx, &k, &v.contiguous()?)?;
-        let keys = match (&k_all, cache.transposed_keys(layer_idx)) {
-            (Some(k), _) => crate::kernels::Keys::Rows(k),
-            (None, Some(t)) => crate::kernels::Keys::Transposed(t),
-            (None, None) => bail!("the KV cache holds no keys"),
-        };
-        let attn = self.attention(&q, keys, &v_all, mask, cache.len())?;
+        let v_all = cache.write(layer_idx, &k, &v.contiguous()?)?;
+        let attn = self.attention(&q, cache.keys(layer_idx), &v_all, mask, cache.len())?;
         let x = self.residual(x, &l.o_proj.forward(&attn)?)?;
         let h = l.mlp_norm.forward(&x)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
@@ -272,7 +267,8 @@ impl Transformer {
         })
     }
 
-    /// `q`: [1, rows, heads, hd]; `k`, `v`: [1, cached + rows, kv_heads, hd]. Returns [rows, heads * hd].
+    /// `q`: [1, rows, heads, hd]; `v`: [1, cached + rows, kv_heads, hd]; `keys` as the cache keeps them.
+    /// Returns [rows, heads * hd].
     fn attention(
         &self,
         q: &Tensor,
@@ -295,9 +291,11 @@ impl Transformer {
                 })??,
             });
         }
+        // Off the CPU kernels the cache keeps its keys as rows: the written ones lead the buffer.
         let crate::kernels::Keys::Rows(k) = keys else {
             bail!("transposed keys are for the CPU kernels only");
         };
+        let k = &k.narrow(1, 0, v.dim(1)?)?;
         if self.device.is_cpu() {
             use candle_nn::attention::{flash_attn, AttnMask};
             let m = match mask {
