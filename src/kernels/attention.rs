@@ -202,8 +202,10 @@ struct Scratch {
     kt: Vec<f32>,
     /// Scores of one (row, head) over all keys.
     scores: Vec<f32>,
-    /// The tile's visible lists (row `ri`'s at `vis_start[ri] .. vis_start[ri + 1]`), then per
-    /// (row, head) slot its `p_t` (from `p_start[slot]`, one per visible key) and `1 / Σ p_t`.
+    /// Per row `ri` of the tile, its leading visible keys `0 .. lead[ri]` (a run, kept as its length),
+    /// then the rest of its visible list at `visible[vis_start[ri] .. vis_start[ri + 1]]`; per (row, head)
+    /// slot its `p_t` (from `p_start[slot]`, one per visible key) and `1 / Σ p_t`.
+    lead: Vec<usize>,
     visible: Vec<u32>,
     vis_start: Vec<usize>,
     p: Vec<f32>,
@@ -276,14 +278,18 @@ impl Problem<'_> {
             // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
             // would otherwise score 320; a score is its own chain, so the width cannot change it).
             let (keys, scores) = ((kt, ks), (&mut s.scores[..], kp));
+            // The next chunk's keys are asked for while this one is scored: its 64 rows lie `ks` apart,
+            // a pattern the hardware prefetcher does not follow.
+            let ahead = Some(j0 + KEY_CHUNK).filter(|&a| a < seen);
             match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
-                1 => score_slots::<16>(slots, q, keys, j0, scores, quads),
-                2 => score_slots::<32>(slots, q, keys, j0, scores, quads),
-                3 => score_slots::<48>(slots, q, keys, j0, scores, quads),
-                _ => score_slots::<KEY_CHUNK>(slots, q, keys, j0, scores, quads),
+                1 => score_slots::<16>(slots, q, keys, j0, scores, quads, ahead),
+                2 => score_slots::<32>(slots, q, keys, j0, scores, quads, ahead),
+                3 => score_slots::<48>(slots, q, keys, j0, scores, quads, ahead),
+                _ => score_slots::<KEY_CHUNK>(slots, q, keys, j0, scores, quads, ahead),
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
+        s.lead.clear();
         s.visible.clear();
         s.vis_start.clear();
         s.p.clear();
@@ -295,29 +301,27 @@ impl Problem<'_> {
         for (ri, r) in rows.clone().enumerate() {
             let v0 = s.visible.len();
             s.vis_start.push(v0);
-            // `lead`: the row's leading visible keys 0 .. lead, whose weights are read in order, without
-            // the visible list (the same operations on the same values).
+            // `lead`: the row's leading visible keys 0 .. lead (all of a causal row's, the whole cache
+            // for a tree's row), read as a run; only the keys after them are listed.
             let lead = match self.vis {
-                Visibility::Causal { offset } => {
-                    let n = (offset + r + 1).min(keys);
-                    s.visible.extend(0..n as u32);
-                    n
-                }
+                Visibility::Causal { offset } => (offset + r + 1).min(keys),
                 Visibility::Additive(m) => {
-                    // Branch-free: every key is written, and the count moves past the visible ones.
                     let m = &m[r * keys..(r + 1) * keys];
-                    s.visible.resize(v0 + seen, 0);
+                    let lead = leading_visible(&m[..seen]);
+                    // Branch-free: every key is written, and the count moves past the visible ones.
+                    s.visible.resize(v0 + seen - lead, 0);
                     let mut n = v0;
-                    for (j, &bias) in m[..seen].iter().enumerate() {
-                        s.visible[n] = j as u32;
+                    for (j, &bias) in m[lead..seen].iter().enumerate() {
+                        s.visible[n] = (lead + j) as u32;
                         n += usize::from(bias != f32::NEG_INFINITY);
                     }
                     s.visible.truncate(n);
-                    m[..seen].iter().take_while(|&&b| b != f32::NEG_INFINITY).count()
+                    lead
                 }
             };
+            s.lead.push(lead);
             shared = shared.min(lead);
-            let rest = &s.visible[v0 + lead..];
+            let rest = &s.visible[v0..];
             for g in 0..group {
                 let scores = &s.scores[(ri * group + g) * kp..][..kp];
                 let p0 = s.p.len();
@@ -421,7 +425,7 @@ impl Problem<'_> {
     /// `ri · group + g`): `o = (Σ_t p_t · v_{visible[t]}) · inv`, one fused multiply-add chain per output
     /// element in visible order, then one multiply. The first `shared` visible keys are the same keys
     /// 0 .. shared for every slot, so their values are read once for all N; each slot then continues
-    /// its own chain over the rest of its list.
+    /// its own chain over the rest of its leading run and then its listed keys.
     #[inline(always)]
     fn weighted_values<const N: usize>(
         &self,
@@ -434,20 +438,21 @@ impl Problem<'_> {
     ) {
         let (hd, group) = (self.hd, self.heads / self.kv_heads);
         let ri = |i: usize| (slot0 + i) / group;
-        let visible = |i: usize| &s.visible[s.vis_start[ri(i)]..s.vis_start[ri(i) + 1]];
+        let lead = |i: usize| s.lead[ri(i)];
+        let listed = |i: usize| &s.visible[s.vis_start[ri(i)]..s.vis_start[ri(i) + 1]];
         let p: [&[f32]; N] = std::array::from_fn(|i| {
             let start = s.p_start[slot0 + i];
-            &s.p[start..start + visible(i).len()]
+            &s.p[start..start + lead(i) + listed(i).len()]
         });
-        let keys = &visible(0)[..shared];
         for d0 in (0..hd).step_by(DIM_CHUNK) {
             let n = DIM_CHUNK.min(hd - d0);
             let mut acc = [[0.0f32; DIM_CHUNK]; N];
-            self.accumulate::<N>(kvh, keys, p, d0, n, slot0 == 0, &mut acc);
+            self.accumulate::<N, _>(kvh, KeyRun(0..shared), p, d0, n, slot0 == 0, &mut acc);
             for (i, a) in acc.iter_mut().enumerate() {
-                let rest = &visible(i)[shared..];
                 let one: &mut [[f32; DIM_CHUNK]; 1] = std::slice::from_mut(a).try_into().unwrap();
-                self.accumulate::<1>(kvh, rest, [&p[i][shared..]], d0, n, false, one);
+                let (run, pi) = (KeyRun(shared..lead(i)), &p[i][shared..]);
+                self.accumulate::<1, _>(kvh, run.clone(), [pi], d0, n, false, one);
+                self.accumulate::<1, _>(kvh, listed(i), [&pi[run.len()..]], d0, n, false, one);
                 let (r, g) = (row0 + ri(i), (slot0 + i) % group);
                 // SAFETY: row r's head g of this group is written by this unit only.
                 let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
@@ -465,10 +470,10 @@ impl Problem<'_> {
     /// width, so that its accumulators stay in registers.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the accumulators' inputs, kept apart so that widths stay constant
-    fn accumulate<const N: usize>(
+    fn accumulate<const N: usize, K: KeyList>(
         &self,
         kvh: usize,
-        keys: &[u32],
+        keys: K,
         p: [&[f32]; N],
         d0: usize,
         n: usize,
@@ -476,9 +481,9 @@ impl Problem<'_> {
         acc: &mut [[f32; DIM_CHUNK]; N],
     ) {
         if n == DIM_CHUNK {
-            self.accumulate_n::<N>(kvh, keys, p, d0, DIM_CHUNK, prefetch, acc)
+            self.accumulate_n::<N, K>(kvh, keys, p, d0, DIM_CHUNK, prefetch, acc)
         } else {
-            self.accumulate_n::<N>(kvh, keys, p, d0, n, prefetch, acc)
+            self.accumulate_n::<N, K>(kvh, keys, p, d0, n, prefetch, acc)
         }
     }
 
@@ -486,10 +491,10 @@ impl Problem<'_> {
     /// inherit the caller's target features (its `mul_add`s became calls: 20 times slower, measured).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn accumulate_n<const N: usize>(
+    fn accumulate_n<const N: usize, K: KeyList>(
         &self,
         kvh: usize,
-        keys: &[u32],
+        keys: K,
         p: [&[f32]; N],
         d0: usize,
         n: usize,
@@ -499,13 +504,15 @@ impl Problem<'_> {
         // A local copy, so that the accumulators stay in registers (a store through `acc` would be
         // observable if a bounds check panicked); `p` cut to the keys so that its checks go.
         let mut local = *acc;
-        let p: [&[f32]; N] = p.map(|pi| &pi[..keys.len()]);
-        let at = |j: u32| j as usize * self.row_stride + self.hd * kvh + d0;
-        for (t, &j) in keys.iter().enumerate() {
-            if let Some(&ahead) = keys.get(t + PREFETCH_KEYS).filter(|_| prefetch) {
-                super::prefetch_l1(self.vd.as_ptr().wrapping_add(at(ahead)).cast(), 4 * n);
+        let len = keys.len();
+        let p: [&[f32]; N] = p.map(|pi| &pi[..len]);
+        let at = |j: usize| j * self.row_stride + self.hd * kvh + d0;
+        for t in 0..len {
+            if prefetch && t + PREFETCH_KEYS < len {
+                let ahead = at(keys.key(t + PREFETCH_KEYS));
+                super::prefetch_l1(self.vd.as_ptr().wrapping_add(ahead).cast(), 4 * n);
             }
-            let v = &self.vd[at(j)..][..n];
+            let v = &self.vd[at(keys.key(t))..][..n];
             for (a, pi) in local.iter_mut().zip(&p) {
                 let pt = pi[t];
                 for l in 0..n {
@@ -514,6 +521,47 @@ impl Problem<'_> {
             }
         }
         *acc = local;
+    }
+}
+
+/// How many entries of a mask row lead before its first hidden key (`-inf`): 16 at a time, branch-free
+/// inside a chunk so that it compiles to vector compares (a tree's row sees the whole cache first).
+fn leading_visible(m: &[f32]) -> usize {
+    let visible = |b: &f32| *b != f32::NEG_INFINITY;
+    let whole = m
+        .chunks_exact(LANES)
+        .take_while(|c| c.iter().fold(true, |all, b| all & visible(b)))
+        .count()
+        * LANES;
+    whole + m[whole..].iter().take_while(|b| visible(b)).count()
+}
+
+/// Keys of a visible list in order: a run of consecutive keys, read without a list, or listed ones.
+trait KeyList: Clone {
+    fn len(&self) -> usize;
+    /// The `t`-th key (`t < len`).
+    fn key(&self, t: usize) -> usize;
+}
+
+/// The keys `start .. end`.
+#[derive(Clone)]
+struct KeyRun(std::ops::Range<usize>);
+
+impl KeyList for KeyRun {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn key(&self, t: usize) -> usize {
+        self.0.start + t
+    }
+}
+
+impl KeyList for &[u32] {
+    fn len(&self) -> usize {
+        <[u32]>::len(self)
+    }
+    fn key(&self, t: usize) -> usize {
+        self[t] as usize
     }
 }
 
@@ -526,9 +574,13 @@ fn score_chunk<const N: usize, const W: usize>(
     kt: &[f32],
     ks: usize,
     j0: usize,
+    ahead: Option<usize>,
 ) -> [[f32; W]; N] {
     let mut acc = [[0.0f32; W]; N];
     for d in 0..q[0].len() {
+        if let Some(a) = ahead {
+            super::prefetch_l1(kt.as_ptr().wrapping_add(d * ks + a).cast(), 4 * KEY_CHUNK);
+        }
         let k = &kt[d * ks + j0..][..W];
         for (a, qi) in acc.iter_mut().zip(&q) {
             let qd = qi[d];
@@ -543,7 +595,8 @@ fn score_chunk<const N: usize, const W: usize>(
 /// [`score_chunk`] of the W keys from `j0` (`keys`: the transposed keys and their stride) for every
 /// slot (`q(slot)` its query, its scores at `scores.0[slot · scores.1 ..]`), each key chunk loaded once
 /// for several slots: four with `quads` (16 chains; AVX-512's 32 registers hold them), else two (8
-/// chains, what AVX2's 16 hold); the last one or two slots in smaller groups.
+/// chains, what AVX2's 16 hold); the last one or two slots in smaller groups. The first group also asks
+/// for the keys of the chunk at `ahead`, if any.
 #[inline(always)]
 fn score_slots<'q, const W: usize>(
     slots: usize,
@@ -552,18 +605,20 @@ fn score_slots<'q, const W: usize>(
     j0: usize,
     (scores, kp): (&mut [f32], usize),
     quads: bool,
+    ahead: Option<usize>,
 ) {
     let mut slot = 0;
     while slot < slots {
+        let ahead = ahead.filter(|_| slot == 0);
         let out = &mut scores[slot * kp + j0..];
         if quads && slot + 3 < slots {
             let qs = [q(slot), q(slot + 1), q(slot + 2), q(slot + 3)];
-            for (i, chunk) in score_chunk::<4, W>(qs, kt, ks, j0).iter().enumerate() {
+            for (i, chunk) in score_chunk::<4, W>(qs, kt, ks, j0, ahead).iter().enumerate() {
                 out[i * kp..][..W].copy_from_slice(chunk);
             }
             slot += 4;
         } else if slot + 1 < slots {
-            for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, ks, j0)
+            for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, ks, j0, ahead)
                 .iter()
                 .enumerate()
             {
@@ -571,7 +626,7 @@ fn score_slots<'q, const W: usize>(
             }
             slot += 2;
         } else {
-            out[..W].copy_from_slice(&score_chunk::<1, W>([q(slot)], kt, ks, j0)[0]);
+            out[..W].copy_from_slice(&score_chunk::<1, W>([q(slot)], kt, ks, j0, ahead)[0]);
             slot += 1;
         }
     }
@@ -949,6 +1004,27 @@ mod tests {
     /// A causal prefill long enough to be cut into several row tiles ([`MAX_TILE_ROWS`]) gives every row
     /// the bits it gets alone over the cache before it (as decoding one token at a time computes it),
     /// and the bits of the same block under an additive causal mask, at every width.
+    #[test]
+    fn leading_visible_counts_up_to_the_first_hidden_key() {
+        for len in [0, 1, 15, 16, 17, 40, 64, 100] {
+            for first_hidden in (0..=len).step_by(3).chain([len]) {
+                let m: Vec<f32> = (0..len)
+                    .map(|j| match j {
+                        j if j == first_hidden => f32::NEG_INFINITY,
+                        // Later keys hidden or not, and finite biases, change nothing.
+                        j if j > first_hidden && j % 2 == 0 => f32::NEG_INFINITY,
+                        j => -(j as f32) * 0.5,
+                    })
+                    .collect();
+                assert_eq!(
+                    leading_visible(&m),
+                    first_hidden.min(len),
+                    "len {len}, first {first_hidden}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn long_causal_blocks_are_row_invariant() {
         let (rows, heads, kvh, hd, cached) = (3 * MAX_TILE_ROWS + 5, 9, 3, 64, 11);
