@@ -1781,7 +1781,10 @@ mod tests {
     #[ignore]
     fn timing() {
         let mut rng = StdRng::seed_from_u64(26);
+        // 30 copies stream from memory as a model's weights do; one copy stays in L2, which shows what
+        // the instructions cost on their own (the part every added row pays).
         for (format, n, k, copies) in [
+            (BlockFormat::Q4_1, 1536, 576, 1),
             (BlockFormat::Q4_1, 1536, 576, 30),
             (BlockFormat::Q4_1, 576, 1536, 30),
             (BlockFormat::Q8_0, 49152, 576, 1),
@@ -1807,12 +1810,18 @@ mod tests {
                     crate::kernels::qmatmul::matmul_blocks_with(Isa::Portable, &x, &blocks[i], &mut y, m)
                 });
                 print!("{m:4} {f:9.4} {fp:9.4}");
+                let mut last = None;
                 for &isa in &isas {
                     let t = crate::kernels::median_ms(0.05, || {
                         i = (i + 1) % copies;
                         matmul_q8_with(isa, &x, &packed[i], &mut y, m)
                     });
+                    last = Some(t);
                     print!(" {t:9.4}");
+                }
+                // The last variant (the best) per unit of work: one row, 16 outputs, one block of 32.
+                if let Some(t) = last {
+                    print!("   {:.2} ns/unit", t * 1e6 / (m * n / GROUP * (k / BLOCK)) as f64);
                 }
                 println!();
             }
