@@ -93,7 +93,7 @@ pub(crate) fn exp_nonpositive(x: f32) -> f32 {
 /// The largest of `x` (NEG_INFINITY when empty), in 16 independent lanes: a maximum is exact in any
 /// order, and one running maximum would be a chain of dependent compares.
 #[inline(always)]
-fn lane_max(x: &[f32]) -> f32 {
+pub(crate) fn lane_max(x: &[f32]) -> f32 {
     let mut acc = [f32::NEG_INFINITY; LANES];
     let chunks = x.chunks_exact(LANES);
     let tail = chunks.remainder();
