@@ -1,7 +1,7 @@
 //! Turning a row of logits into a token: greedy argmax, or a sample after temperature / top-k / top-p; and
 //! the top-N (token, probability) list that drafters build trees from.
 
-use crate::kernels::elementwise::{exp_nonpositive, max_f32, softmax_denominator};
+use crate::kernels::elementwise::{exp_nonpositive, lane_max, softmax_denominator};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -37,7 +37,7 @@ impl SamplingParams {
 /// no logit is above `-inf`; NaN never wins). The maximum first, in vector lanes, then its first index:
 /// a scan that kept the running best took 56 µs for a 49152-token row, a few percent of a step.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let max = max_f32(logits);
+    let max = lane_max(logits);
     if max == f32::NEG_INFINITY {
         return 0;
     }
@@ -54,7 +54,7 @@ pub fn top_candidates(logits: &[f32], n: usize) -> Vec<(u32, f32)> {
     if n == 0 {
         return Vec::new();
     }
-    let max = max_f32(logits);
+    let max = lane_max(logits);
     let sum = softmax_denominator(logits, max);
     let mut best: Vec<u32> = Vec::with_capacity(n + 1);
     for (ci, chunk) in logits.chunks(CHUNK).enumerate() {

@@ -1001,9 +1001,6 @@ mod tests {
         assert_eq!(alone, got[4 * heads * hd..].to_vec());
     }
 
-    /// A causal prefill long enough to be cut into several row tiles ([`MAX_TILE_ROWS`]) gives every row
-    /// the bits it gets alone over the cache before it (as decoding one token at a time computes it),
-    /// and the bits of the same block under an additive causal mask, at every width.
     #[test]
     fn leading_visible_counts_up_to_the_first_hidden_key() {
         for len in [0, 1, 15, 16, 17, 40, 64, 100] {
@@ -1025,6 +1022,9 @@ mod tests {
         }
     }
 
+    /// A causal prefill long enough to be cut into several row tiles ([`MAX_TILE_ROWS`]) gives every row
+    /// the bits it gets alone over the cache before it (as decoding one token at a time computes it),
+    /// and the bits of the same block under an additive causal mask, at every width.
     #[test]
     fn long_causal_blocks_are_row_invariant() {
         let (rows, heads, kvh, hd, cached) = (3 * MAX_TILE_ROWS + 5, 9, 3, 64, 11);

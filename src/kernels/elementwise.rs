@@ -14,6 +14,9 @@ use candle_core::{Result, Tensor};
 
 /// `e^x` for `x <= 0` (see attention's softmax, which shares it).
 pub(crate) use super::attention::exp_nonpositive;
+/// The largest of a row (`-inf` when empty; NaN never counts), in 16 lanes: for greedy argmax and the
+/// drafters' candidate lists.
+pub(crate) use super::attention::lane_max;
 
 /// Values per pool task: small enough to split a 16-row step of SmolLM2 (24576 values) over two threads,
 /// large enough that a hand-off (about a microsecond) is a small share of a task.
@@ -86,26 +89,11 @@ pub fn swiglu_slices_with(width: Width, gate: &[f32], up: &[f32], out: &mut [f32
     });
 }
 
-/// `Σ e^(x_i - shift)` in 16 lanes by position, then a fixed tree (every `x_i <= shift`, as in a
-/// softmax shifted by its maximum). An explicit loop rather than a closure: a closure would not take the
-/// target features of the functions below.
+/// `Σ e^(x_i - shift)` (every `x_i <= shift`, as in a softmax shifted by its maximum), in attention's
+/// fixed 16-lane order.
 #[inline(always)]
 fn exp_sum(x: &[f32], shift: f32) -> f32 {
-    const LANES: usize = 16;
-    let mut acc = [0.0f32; LANES];
-    let chunks = x.chunks_exact(LANES);
-    let tail = chunks.remainder();
-    for c in chunks {
-        for l in 0..LANES {
-            acc[l] += exp_nonpositive(c[l] - shift);
-        }
-    }
-    for (l, &v) in tail.iter().enumerate() {
-        acc[l] += exp_nonpositive(v - shift);
-    }
-    let v8: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[i + 8]);
-    let v4: [f32; 4] = std::array::from_fn(|i| v8[i] + v8[i + 4]);
-    (v4[0] + v4[2]) + (v4[1] + v4[3])
+    super::attention::lane_sum_by(x, |v| exp_nonpositive(v - shift))
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -144,12 +132,6 @@ pub fn softmax_denominator_with(width: Width, x: &[f32], shift: f32) -> f32 {
 /// [`softmax_denominator_with`] at the CPU's widest width.
 pub fn softmax_denominator(x: &[f32], shift: f32) -> f32 {
     softmax_denominator_with(Width::best(), x, shift)
-}
-
-/// The largest of `x` (`-inf` when empty or when no value is larger; NaN never counts), in 16 lanes, so
-/// that it vectorises.
-pub fn max_f32(x: &[f32]) -> f32 {
-    super::attention::lane_max(x)
 }
 
 /// `silu(gate) · up` for two f32 CPU tensors of one shape: a new contiguous tensor.
