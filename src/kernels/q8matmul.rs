@@ -135,13 +135,31 @@ impl PackedFormat {
         }
     }
 
-    /// 4 bits stored per weight (else a byte).
-    const fn nibbles(self) -> bool {
+    /// Values of at most 4 bits (the kernels' nibble path: two values per byte, 16-bit partial sums).
+    const fn four_bit(self) -> bool {
         matches!(self, PackedFormat::Q4_0 | PackedFormat::Q4_1 | PackedFormat::Q4K)
     }
 
-    /// Heads stored as f32 (the K-quants' products of two scales, exact in f32 but not in f16).
-    const fn f32_heads(self) -> bool {
+    /// The low 4 bits of every value stored as nibbles (all but Q8_0); Q5_K and Q6_K keep their
+    /// remaining bits in [`Self::high_chunks`] chunks after them.
+    const fn nibble_planes(self) -> bool {
+        !matches!(self, PackedFormat::Q8_0)
+    }
+
+    /// 64-byte chunks of high bits after the nibbles: Q5_K's fifth bit (one), Q6_K's two (two).
+    const fn high_chunks(self) -> usize {
+        match self {
+            PackedFormat::Q5K => 1,
+            PackedFormat::Q6K => 2,
+            _ => 0,
+        }
+    }
+
+    /// The K-quants: per-row scales `d` (and `dmin`) once per 256-value super-block, kept apart from
+    /// the blocks ([`PackedMatrix`]'s `supers`), and a byte of sub-block scale (and minimum) per block.
+    /// The kernels multiply them back into the f32 heads (`d·sc` and `-dmin·mn`, exact in f32), so
+    /// the heads cost 1 byte per 16 weights instead of 4 bytes per 16.
+    const fn k_quant(self) -> bool {
         matches!(self, PackedFormat::Q4K | PackedFormat::Q5K | PackedFormat::Q6K)
     }
 
@@ -167,28 +185,34 @@ impl From<BlockFormat> for PackedFormat {
     }
 }
 
-/// Bytes of one head.
-const fn head_bytes(f: PackedFormat) -> usize {
-    if f.f32_heads() {
-        4
-    } else {
-        2
-    }
-}
-
-/// Bytes of heads per group-block: 16 first heads, and 16 second ones where there are two.
+/// Bytes of heads per group-block: 16 first heads and, where the format has them, 16 second ones; an
+/// f16 each for the 32-value formats, a byte each (sub-block scales and minima) for the K-quants.
 const fn heads_bytes(f: PackedFormat) -> usize {
-    GROUP * head_bytes(f) * if f.two_heads() { 2 } else { 1 }
+    let head = if f.k_quant() { 1 } else { 2 };
+    GROUP * head * if f.two_heads() { 2 } else { 1 }
 }
 
-/// Bytes of quantised weights per group-block: 16 rows × 32 nibbles or bytes.
+/// Bytes of quantised weights per group-block: 16 rows × 32 nibbles (and the high bits) or bytes.
 const fn quant_bytes(f: PackedFormat) -> usize {
-    if f.nibbles() {
-        GROUP * BLOCK / 2
+    if f.nibble_planes() {
+        GROUP * BLOCK / 2 + 64 * f.high_chunks()
     } else {
         GROUP * BLOCK
     }
 }
+
+/// Bytes of the K-quants' super-block scales per group and super-block: 16 f16 `d`, and for Q4_K /
+/// Q5_K 16 f16 `dmin` after them.
+const fn super_bytes(f: PackedFormat) -> usize {
+    match f {
+        PackedFormat::Q4K | PackedFormat::Q5K => 4 * GROUP,
+        PackedFormat::Q6K => 2 * GROUP,
+        _ => 0,
+    }
+}
+
+/// Blocks of 32 per K-quant super-block.
+const SUPER: usize = 8;
 
 /// Bytes per group-block.
 const fn stride(f: PackedFormat) -> usize {
@@ -211,6 +235,18 @@ fn f16_at(b: &[u8]) -> f32 {
     half::f16::from_le_bytes([b[0], b[1]]).to_f32()
 }
 
+/// The f32 heads of a K-quant block from its byte scales `small` (sub-block scale and minimum, or Q6_K's
+/// two signed half scales) and its super-block's `sup` (`d`, and `dmin` for Q4_K / Q5_K): `[d·sc,
+/// -(dmin·mn)]` or `[d·sc_lo, d·sc_hi]`. Each product is exact in f32 (11 by at most 8 significant
+/// bits), so the SIMD paths, which compute the same products, give the same bits.
+fn k_heads(f: PackedFormat, small: [u8; 2], sup: [f32; 2]) -> [f32; 2] {
+    if f.split() {
+        [sup[0] * small[0] as i8 as f32, sup[0] * small[1] as i8 as f32]
+    } else {
+        [sup[0] * small[0] as f32, -(sup[1] * small[1] as f32)]
+    }
+}
+
 /// The K-quants' 6-bit scale and minimum of sub-block `j` (0..8) from their 12 packed bytes.
 fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
@@ -223,9 +259,21 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// Block `b` (32 values) of a GGUF row: its two heads (the second 0 where unused) and the 32 stored
-/// unsigned values `u` (see [`offset`]).
-fn source(f: PackedFormat, row: &[u8], b: usize) -> ([f32; 2], [u8; BLOCK]) {
+/// The heads of a GGUF block as they are packed: the 32-value formats' f16 scale (and minimum), as
+/// bits; the K-quants' byte scales and their super-block's f16 `d` (and `dmin`), as bits.
+#[derive(Clone, Copy)]
+enum SourceHeads {
+    F16([u16; 2]),
+    K { small: [u8; 2], sup: [u16; 2] },
+}
+
+fn u16_at(b: &[u8]) -> u16 {
+    u16::from_le_bytes([b[0], b[1]])
+}
+
+/// Block `b` (32 values) of a GGUF row: its heads (the second 0 where unused) and the 32 stored unsigned
+/// values `u` (see [`offset`]).
+fn source(f: PackedFormat, row: &[u8], b: usize) -> (SourceHeads, [u8; BLOCK]) {
     let mut u = [0u8; BLOCK];
     let (bv, bb) = f.gguf_block();
     let blk = &row[b * BLOCK / bv * bb..][..bb];
@@ -239,20 +287,19 @@ fn source(f: PackedFormat, row: &[u8], b: usize) -> ([f32; 2], [u8; BLOCK]) {
                 u[16 + i] = qs[i] >> 4;
             }
             let m = if f == PackedFormat::Q4_1 {
-                f16_at(&blk[2..])
+                u16_at(&blk[2..])
             } else {
-                0.0
+                0
             };
-            ([f16_at(blk), m], u)
+            (SourceHeads::F16([u16_at(blk), m]), u)
         }
         PackedFormat::Q8_0 => {
             for (o, &v) in u.iter_mut().zip(&blk[2..]) {
                 *o = v ^ 0x80;
             }
-            ([f16_at(blk), 0.0], u)
+            (SourceHeads::F16([u16_at(blk), 0]), u)
         }
         PackedFormat::Q4K | PackedFormat::Q5K => {
-            let (d, dmin) = (f16_at(blk), f16_at(&blk[2..]));
             let (sc, mn) = scale_min_k4(s, &blk[4..16]);
             let qs = if f == PackedFormat::Q4K {
                 &blk[16..144]
@@ -270,21 +317,38 @@ fn source(f: PackedFormat, row: &[u8], b: usize) -> ([f32; 2], [u8; BLOCK]) {
                     *o |= ((blk[16 + l] >> s) & 1) << 4;
                 }
             }
-            ([d * sc as f32, -(dmin * mn as f32)], u)
+            let sup = [u16_at(blk), u16_at(&blk[2..])];
+            (SourceHeads::K { small: [sc, mn], sup }, u)
         }
         PackedFormat::Q6K => {
             let (n, p) = (s / 4, s % 4);
             let ql = &blk[64 * n..][..64];
             let qh = &blk[128 + 32 * n..][..32];
             let sc = &blk[192 + 8 * n..][..8];
-            let d = f16_at(&blk[208..]);
             for (l, o) in u.iter_mut().enumerate() {
                 let byte = if p.is_multiple_of(2) { ql[l] } else { ql[l + 32] };
                 let lo = if p < 2 { byte & 15 } else { byte >> 4 };
                 *o = lo | (((qh[l] >> (2 * p)) & 3) << 4);
             }
-            ([d * sc[2 * p] as i8 as f32, d * sc[2 * p + 1] as i8 as f32], u)
+            let sup = [u16_at(&blk[208..]), 0];
+            (
+                SourceHeads::K {
+                    small: [sc[2 * p], sc[2 * p + 1]],
+                    sup,
+                },
+                u,
+            )
         }
+    }
+}
+
+/// Where the high bits of value `4t + i` (`t` 0..8: the value quads of the byte path) of a group-block
+/// row lie in its high chunks: the chunk (0 or 1) and the bit they start at. Q5_K keeps bit 4 of quad
+/// `t` at bit `t`; Q6_K bits 4-5 of quad `t` in chunk `t / 4` at bit `2·(t % 4)`.
+const fn high_bits_at(f: PackedFormat, t: usize) -> (usize, u32) {
+    match f {
+        PackedFormat::Q6K => (t / 4, 2 * (t % 4) as u32),
+        _ => (0, t as u32),
     }
 }
 
@@ -292,17 +356,25 @@ fn source(f: PackedFormat, row: &[u8], b: usize) -> ([f32; 2], [u8; BLOCK]) {
 ///
 /// Rows are taken 16 at a time (a *group*; the last one padded with zero rows). For group `g` and block
 /// `b` (columns `32b .. 32b + 32`), `stride` bytes at `(g · cols/32 + b) · stride`:
-/// - 16 first heads (one per row of the group; f16 as in GGUF, or f32 for the K-quants), then where the
-///   format has them 16 second heads (see [`PackedFormat`]);
+/// - 16 first heads (one per row of the group), then where the format has them 16 second heads (see
+///   [`PackedFormat`]): f16 as in GGUF, or for the K-quants the bytes of the sub-block scales and
+///   minima (Q6_K: the signed scales of the block's halves), whose super-block scales `d` (and `dmin`)
+///   lie in `supers`, 16 f16 of each per group and super-block;
 /// - the weights as 64-byte chunks, bytes `4l .. 4l + 4` of a chunk belonging to row `l` of the group:
-///   for 4-bit formats chunk `t` (0..4) holds values `4t + i` in the low nibbles and `16 + 4t + i` in
-///   the high ones; for the others chunk `t` (0..8) holds values `4t + i`, one per byte.
+///   for every format but Q8_0 chunk `t` (0..4) holds the low 4 bits of values `4t + i` in the low
+///   nibbles and of `16 + 4t + i` in the high ones; Q5_K and Q6_K follow them with one and two chunks
+///   of their values' high bits ([`high_bits_at`]); Q8_0's chunk `t` (0..8) holds values `4t + i`, a
+///   byte each.
+///
+/// So a weight costs what it costs in the GGUF file, give or take a byte per 16 rows and super-block
+/// (Q4_K 0.58, Q5_K 0.70, Q6_K 0.82 bytes against GGUF's 0.56, 0.69, 0.82).
 #[derive(Clone, Debug)]
 pub struct PackedMatrix {
     format: PackedFormat,
     rows: usize,
     cols: usize,
     data: Vec<u8>,
+    supers: Vec<u8>,
 }
 
 impl PackedMatrix {
@@ -347,68 +419,120 @@ impl PackedMatrix {
         Ok(Self::build(format, rows, cols, row))
     }
 
-    fn build<'a>(format: PackedFormat, rows: usize, cols: usize, row: impl Fn(usize) -> &'a [u8]) -> Self {
+    /// Groups are packed in parallel (rayon, at load only): a 1B model's 1.2 G weights took seconds
+    /// on one core.
+    fn build<'a>(
+        format: PackedFormat,
+        rows: usize,
+        cols: usize,
+        row: impl Fn(usize) -> &'a [u8] + Sync,
+    ) -> Self {
+        use rayon::prelude::*;
+        let f = format;
         let nb = cols / BLOCK;
-        let (hb, st, hs) = (heads_bytes(format), stride(format), head_bytes(format));
+        let (hb, st) = (heads_bytes(f), stride(f));
+        let (ns, sb) = (nb / SUPER, super_bytes(f));
         let groups = rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * nb * st];
-        for j in 0..rows {
-            let (g, l) = (j / GROUP, j % GROUP);
-            let src = row(j);
-            for b in 0..nb {
-                let (heads, u) = source(format, src, b);
-                let dst = &mut data[(g * nb + b) * st..][..st];
-                let nh = if format.two_heads() { 2 } else { 1 };
-                for (h, v) in heads.into_iter().enumerate().take(nh) {
-                    let at = (h * GROUP + l) * hs;
-                    if format.f32_heads() {
-                        dst[at..at + 4].copy_from_slice(&v.to_le_bytes());
-                    } else {
-                        // Exact: the value came from an f16.
-                        dst[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+        let mut supers = vec![0u8; groups * ns * sb];
+        let pack_group = |g: usize, gdata: &mut [u8], gsup: &mut [u8]| {
+            for l in 0..GROUP.min(rows - g * GROUP) {
+                let src = row(g * GROUP + l);
+                for b in 0..nb {
+                    let (heads, u) = source(f, src, b);
+                    let dst = &mut gdata[b * st..][..st];
+                    match heads {
+                        SourceHeads::F16(h) => {
+                            for (set, bits) in h.iter().enumerate().take(if f.two_heads() { 2 } else { 1 }) {
+                                dst[2 * (set * GROUP + l)..][..2].copy_from_slice(&bits.to_le_bytes());
+                            }
+                        }
+                        SourceHeads::K { small, sup } => {
+                            dst[l] = small[0];
+                            dst[GROUP + l] = small[1];
+                            let at = &mut gsup[b / SUPER * sb..][..sb];
+                            for (set, bits) in sup.iter().enumerate().take(sb / (2 * GROUP)) {
+                                at[2 * (set * GROUP + l)..][..2].copy_from_slice(&bits.to_le_bytes());
+                            }
+                        }
                     }
-                }
-                let q = &mut dst[hb..];
-                for t in 0..quant_bytes(format) / 64 {
-                    for i in 0..4 {
-                        q[64 * t + 4 * l + i] = if format.nibbles() {
-                            u[4 * t + i] | (u[16 + 4 * t + i] << 4)
-                        } else {
-                            u[4 * t + i]
-                        };
+                    let q = &mut dst[hb..];
+                    if f.nibble_planes() {
+                        for t in 0..4 {
+                            for i in 0..4 {
+                                q[64 * t + 4 * l + i] = (u[4 * t + i] & 15) | ((u[16 + 4 * t + i] & 15) << 4);
+                            }
+                        }
+                        for t in (0..8).filter(|_| f.high_chunks() > 0) {
+                            let (chunk, bit) = high_bits_at(f, t);
+                            for i in 0..4 {
+                                q[256 + 64 * chunk + 4 * l + i] |= (u[4 * t + i] >> 4) << bit;
+                            }
+                        }
+                    } else {
+                        for t in 0..8 {
+                            q[64 * t + 4 * l..][..4].copy_from_slice(&u[4 * t..][..4]);
+                        }
                     }
                 }
             }
+        };
+        if sb == 0 {
+            data.par_chunks_mut(nb * st)
+                .enumerate()
+                .for_each(|(g, gd)| pack_group(g, gd, &mut []));
+        } else {
+            data.par_chunks_mut(nb * st)
+                .zip(supers.par_chunks_mut(ns * sb))
+                .enumerate()
+                .for_each(|(g, (gd, gs))| pack_group(g, gd, gs));
         }
         PackedMatrix {
             format,
             rows,
             cols,
             data,
+            supers,
         }
     }
 
-    /// Head `h` of row `l` of a group-block.
-    fn head(&self, blk: &[u8], h: usize, l: usize) -> f32 {
-        let hs = head_bytes(self.format);
-        let at = (h * GROUP + l) * hs;
-        if self.format.f32_heads() {
-            f32::from_le_bytes(blk[at..at + 4].try_into().unwrap())
+    /// The two heads (the second 0 where unused) of row `l` of group `g`, block `b`, as the kernels
+    /// multiply them.
+    fn heads(&self, g: usize, b: usize, l: usize) -> [f32; 2] {
+        let (f, nb) = (self.format, self.cols / BLOCK);
+        let blk = &self.data[(g * nb + b) * stride(f)..];
+        if f.k_quant() {
+            let sb = super_bytes(f);
+            let sup = &self.supers[(g * (nb / SUPER) + b / SUPER) * sb..][..sb];
+            let dmin = if sb > 2 * GROUP {
+                f16_at(&sup[2 * (GROUP + l)..])
+            } else {
+                0.0
+            };
+            k_heads(f, [blk[l], blk[GROUP + l]], [f16_at(&sup[2 * l..]), dmin])
         } else {
-            f16_at(&blk[at..])
+            let h1 = if f.two_heads() {
+                f16_at(&blk[2 * (GROUP + l)..])
+            } else {
+                0.0
+            };
+            [f16_at(&blk[2 * l..]), h1]
         }
     }
 
     /// Stored value `i` (0..32) of row `l` of a group-block.
     fn stored(&self, blk: &[u8], l: usize, i: usize) -> u8 {
-        let q = &blk[heads_bytes(self.format)..];
-        if self.format.nibbles() {
+        let f = self.format;
+        let q = &blk[heads_bytes(f)..];
+        if f.nibble_planes() {
             let byte = q[64 * (i % 16 / 4) + 4 * l + i % 4];
-            if i < 16 {
-                byte & 15
-            } else {
-                byte >> 4
+            let low = if i < 16 { byte & 15 } else { byte >> 4 };
+            if f.high_chunks() == 0 {
+                return low;
             }
+            let (chunk, bit) = high_bits_at(f, i / 4);
+            let width = if f == PackedFormat::Q6K { 3 } else { 1 };
+            low | (((q[256 + 64 * chunk + 4 * l + i % 4] >> bit) & width) << 4)
         } else {
             q[64 * (i / 4) + 4 * l + i % 4]
         }
@@ -417,31 +541,40 @@ impl PackedMatrix {
     /// All weights as f32, row-major `[rows, cols]`: the values the kernel multiplies (the same as
     /// candle's and llama.cpp's dequantisation of the GGUF data).
     pub fn dequantize(&self) -> Vec<f32> {
-        let (nb, st, f) = (self.cols / BLOCK, stride(self.format), self.format);
         let mut out = vec![0.0f32; self.rows * self.cols];
-        for j in 0..self.rows {
-            let (g, l) = (j / GROUP, j % GROUP);
-            for b in 0..nb {
-                let blk = &self.data[(g * nb + b) * st..][..st];
-                let h0 = self.head(blk, 0, l);
-                let h1 = if f.two_heads() { self.head(blk, 1, l) } else { 0.0 };
-                for i in 0..BLOCK {
-                    let v = (self.stored(blk, l, i) as i32 - offset(f)) as f32;
-                    out[j * self.cols + b * BLOCK + i] = if f.split() {
-                        if i < 16 {
-                            h0 * v
-                        } else {
-                            h1 * v
-                        }
-                    } else if f.two_heads() {
-                        h0 * v + h1
-                    } else {
-                        h0 * v
-                    };
-                }
-            }
+        for (j, row) in out.chunks_exact_mut(self.cols).enumerate() {
+            self.dequantize_row(j, row);
         }
         out
+    }
+
+    /// Row `j` as f32 into `out` (`cols` values): an embedding lookup, without a dense copy of the table.
+    pub fn dequantize_row(&self, j: usize, out: &mut [f32]) {
+        let (nb, st, f) = (self.cols / BLOCK, stride(self.format), self.format);
+        assert!(
+            j < self.rows && out.len() == self.cols,
+            "dequantize_row: row {j} of {}",
+            self.rows
+        );
+        let (g, l) = (j / GROUP, j % GROUP);
+        for (b, o) in out.chunks_exact_mut(BLOCK).enumerate() {
+            let blk = &self.data[(g * nb + b) * st..][..st];
+            let [h0, h1] = self.heads(g, b, l);
+            for (i, o) in o.iter_mut().enumerate() {
+                let v = (self.stored(blk, l, i) as i32 - offset(f)) as f32;
+                *o = if f.split() {
+                    if i < 16 {
+                        h0 * v
+                    } else {
+                        h1 * v
+                    }
+                } else if f.two_heads() {
+                    h0 * v + h1
+                } else {
+                    h0 * v
+                };
+            }
+        }
     }
 
     pub fn format(&self) -> PackedFormat {
@@ -451,6 +584,11 @@ impl PackedMatrix {
     /// `(rows, cols)`: rows are outputs, cols are inputs.
     pub fn dims(&self) -> (usize, usize) {
         (self.rows, self.cols)
+    }
+
+    /// Bytes held (what a product reads).
+    pub fn bytes(&self) -> usize {
+        self.data.len() + self.supers.len()
     }
 
     fn groups(&self) -> usize {
@@ -871,24 +1009,32 @@ mod portable {
             for b in 0..nb {
                 let blk = &w.data[((g0 + gi) * nb + b) * st..][..st];
                 for l in 0..GROUP {
-                    h0[l] = w.head(blk, 0, l);
-                    if f.two_heads() {
-                        h1[l] = w.head(blk, 1, l);
-                    }
+                    [h0[l], h1[l]] = w.heads(g0 + gi, b, l);
                 }
                 // Chunk bytes 4l + i belong to lane l: stride-4 reads (one `ld4` on NEON).
                 let q = &blk[heads_bytes(f)..];
-                if f.nibbles() {
+                if f.nibble_planes() {
                     for t in 0..4 {
                         let ch = &q[64 * t..64 * t + 64];
                         for i in 0..4 {
                             for l in 0..GROUP {
                                 let u = ch[4 * l + i] as i16;
-                                wq[4 * t + i][l] = (u & 15) - c;
-                                wq[16 + 4 * t + i][l] = (u >> 4) - c;
+                                wq[4 * t + i][l] = u & 15;
+                                wq[16 + 4 * t + i][l] = u >> 4;
                             }
                         }
                     }
+                    for t in (0..8).filter(|_| f.high_chunks() > 0) {
+                        let (chunk, bit) = high_bits_at(f, t);
+                        let width = if f == PackedFormat::Q6K { 3 } else { 1 };
+                        let ch = &q[256 + 64 * chunk..][..64];
+                        for i in 0..4 {
+                            for l in 0..GROUP {
+                                wq[4 * t + i][l] |= ((ch[4 * l + i] >> bit) as i16 & width) << 4;
+                            }
+                        }
+                    }
+                    wq.iter_mut().flatten().for_each(|v| *v -= c);
                 } else {
                     for t in 0..8 {
                         let ch = &q[64 * t..64 * t + 64];
@@ -1010,15 +1156,66 @@ macro_rules! avx256_variant {
                 }
             }
 
-            /// Eight heads (lanes `8h ..`) of head set `set` at `blk`.
+            /// The two heads (the second 0 where unused) of lanes `8h .. 8h + 8` of the group-block at
+            /// `blk`, whose super-block scales (K-quants) are at `sup`: as [`PackedMatrix::heads`].
             #[target_feature(enable = $features)]
             #[inline]
-            unsafe fn heads(f: PackedFormat, blk: *const u8, set: usize, h: usize) -> __m256 {
-                if f.f32_heads() {
-                    _mm256_loadu_ps(blk.add(64 * set + 32 * h).cast())
+            unsafe fn heads(f: PackedFormat, blk: *const u8, sup: *const u8, h: usize) -> [__m256; 2] {
+                let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * h).cast()));
+                if f.k_quant() {
+                    let small = |set: usize| {
+                        let b = _mm_loadl_epi64(blk.add(GROUP * set + 8 * h).cast());
+                        let i = if f.split() {
+                            _mm256_cvtepi8_epi32(b)
+                        } else {
+                            _mm256_cvtepu8_epi32(b)
+                        };
+                        _mm256_cvtepi32_ps(i)
+                    };
+                    let d = f16s(sup);
+                    if f.split() {
+                        [_mm256_mul_ps(d, small(0)), _mm256_mul_ps(d, small(1))]
+                    } else {
+                        let m = _mm256_mul_ps(f16s(sup.add(2 * GROUP)), small(1));
+                        [
+                            _mm256_mul_ps(d, small(0)),
+                            _mm256_xor_ps(m, _mm256_set1_ps(-0.0)),
+                        ]
+                    }
+                } else if f.two_heads() {
+                    [f16s(blk), f16s(blk.add(2 * GROUP))]
                 } else {
-                    _mm256_cvtph_ps(_mm_loadu_si128(blk.add(32 * set + 16 * h).cast()))
+                    [f16s(blk), _mm256_setzero_ps()]
                 }
+            }
+
+            /// Quad `t` (values `4t .. 4t + 4` of each row, 0..8) of lanes `8h ..` of a byte-path
+            /// group-block whose weights are at `q`, as bytes: Q8_0's chunk, or Q5_K / Q6_K's nibble
+            /// with its high bits shifted in.
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn quad(f: PackedFormat, q: *const u8, t: usize, h: usize) -> __m256i {
+                if !f.nibble_planes() {
+                    return _mm256_loadu_si256(q.add(64 * t + 32 * h).cast());
+                }
+                let low = _mm256_set1_epi8(15);
+                let v = _mm256_loadu_si256(q.add(64 * (t % 4) + 32 * h).cast());
+                let lo = if t < 4 {
+                    _mm256_and_si256(v, low)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(v), low)
+                };
+                let (chunk, bit) = high_bits_at(f, t);
+                let hv = _mm256_loadu_si256(q.add(256 + 64 * chunk + 32 * h).cast());
+                // Bit `bit` of each byte to bit 4 (16-bit shifts: the mask keeps only bits that stayed
+                // in their byte).
+                let moved = if bit <= 4 {
+                    _mm256_sll_epi16(hv, _mm_cvtsi32_si128(4 - bit as i32))
+                } else {
+                    _mm256_srl_epi16(hv, _mm_cvtsi32_si128(bit as i32 - 4))
+                };
+                let mask = if f == PackedFormat::Q6K { 0x30 } else { 0x10 };
+                _mm256_or_si256(lo, _mm256_and_si256(moved, _mm256_set1_epi8(mask)))
             }
 
             /// Rows `r0 .. r0 + R` against half `h` (lanes `8h .. 8h + 8`) of group `g`; row `r`'s 8
@@ -1043,22 +1240,24 @@ macro_rules! avx256_variant {
                 };
                 let mut acc = [_mm256_setzero_ps(); R];
                 let wg = w.data.as_ptr().add(g * nb * st);
+                let sg = w.supers.as_ptr().add(g * (nb / SUPER) * super_bytes(f));
                 let low = _mm256_set1_epi8(15);
                 for b in 0..nb {
                     let blk = wg.add(b * st);
+                    let sup = sg.add(b / SUPER * super_bytes(f));
                     // The second half's pass finds the group's blocks in L1.
                     if h == 0 {
                         prefetch_ahead(blk, st);
                     }
-                    let q = blk.add(hb + 32 * h);
+                    let q = blk.add(hb);
                     // The activation quads of row r, block b: 8 × 4 bytes.
                     let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
                     // Q6_K's second half goes to `isum2`; every other format uses `isum` alone.
                     let mut isum = [_mm256_setzero_si256(); R];
                     let mut isum2 = [_mm256_setzero_si256(); R];
-                    if f.nibbles() {
+                    if f.four_bit() {
                         for t in 0..4 {
-                            let v = _mm256_loadu_si256(q.add(64 * t).cast());
+                            let v = _mm256_loadu_si256(q.add(64 * t + 32 * h).cast());
                             let lo = _mm256_and_si256(v, low);
                             let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
                             for (r, s) in isum.iter_mut().enumerate() {
@@ -1069,7 +1268,7 @@ macro_rules! avx256_variant {
                         }
                     } else {
                         for t in 0..8 {
-                            let u = _mm256_loadu_si256(q.add(64 * t).cast());
+                            let u = quad(f, q, t, h);
                             let sums = if f.split() && t >= 4 {
                                 &mut isum2
                             } else {
@@ -1081,12 +1280,7 @@ macro_rules! avx256_variant {
                             }
                         }
                     }
-                    let h0 = heads(f, blk, 0, h);
-                    let h1 = if f.two_heads() {
-                        heads(f, blk, 1, h)
-                    } else {
-                        _mm256_setzero_ps()
-                    };
+                    let [h0, h1] = heads(f, blk, sup, h);
                     for (r, acc_r) in acc.iter_mut().enumerate() {
                         let ab = (r0 + r) * nb + b;
                         let dx = _mm256_set1_ps(*a.d.get_unchecked(ab));
@@ -1153,7 +1347,7 @@ macro_rules! avx256_variant {
             #[target_feature(enable = $features)]
             #[inline]
             unsafe fn finish(s: __m256i, f: PackedFormat) -> __m256i {
-                if $vnni || !f.nibbles() {
+                if $vnni || !f.four_bit() {
                     s
                 } else {
                     _mm256_madd_epi16(s, _mm256_set1_epi16(1))
@@ -1252,15 +1446,64 @@ mod avx512vnni {
         }
     }
 
-    /// The 16 heads of head set `set` at `blk`.
+    /// The two heads (the second 0 where unused) of the group-block at `blk`, whose super-block scales
+    /// (K-quants) are at `sup`: as [`PackedMatrix::heads`].
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn heads(f: PackedFormat, blk: *const u8, set: usize) -> __m512 {
-        if f.f32_heads() {
-            _mm512_loadu_ps(blk.add(64 * set).cast())
+    unsafe fn heads(f: PackedFormat, blk: *const u8, sup: *const u8) -> [__m512; 2] {
+        let f16s = |at: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+        if f.k_quant() {
+            let small = |set: usize| {
+                let b = _mm_loadu_si128(blk.add(GROUP * set).cast());
+                let i = if f.split() {
+                    _mm512_cvtepi8_epi32(b)
+                } else {
+                    _mm512_cvtepu8_epi32(b)
+                };
+                _mm512_cvtepi32_ps(i)
+            };
+            let d = f16s(sup);
+            if f.split() {
+                [_mm512_mul_ps(d, small(0)), _mm512_mul_ps(d, small(1))]
+            } else {
+                let m = _mm512_castps_si512(_mm512_mul_ps(f16s(sup.add(2 * GROUP)), small(1)));
+                let sign = _mm512_set1_epi32(i32::MIN);
+                [
+                    _mm512_mul_ps(d, small(0)),
+                    _mm512_castsi512_ps(_mm512_xor_si512(m, sign)),
+                ]
+            }
+        } else if f.two_heads() {
+            [f16s(blk), f16s(blk.add(2 * GROUP))]
         } else {
-            _mm512_cvtph_ps(_mm256_loadu_si256(blk.add(32 * set).cast()))
+            [f16s(blk), _mm512_setzero_ps()]
         }
+    }
+
+    /// Quad `t` (values `4t .. 4t + 4` of each row, 0..8) of a byte-path group-block whose weights are
+    /// at `q`, as bytes: as the 256-bit variants' `quad`, for all 16 lanes.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn quad(f: PackedFormat, q: *const u8, t: usize) -> __m512i {
+        if !f.nibble_planes() {
+            return _mm512_loadu_si512(q.add(64 * t).cast());
+        }
+        let low = _mm512_set1_epi8(15);
+        let v = _mm512_loadu_si512(q.add(64 * (t % 4)).cast());
+        let lo = if t < 4 {
+            _mm512_and_si512(v, low)
+        } else {
+            _mm512_and_si512(_mm512_srli_epi16::<4>(v), low)
+        };
+        let (chunk, bit) = high_bits_at(f, t);
+        let hv = _mm512_loadu_si512(q.add(256 + 64 * chunk).cast());
+        let moved = if bit <= 4 {
+            _mm512_sll_epi16(hv, _mm_cvtsi32_si128(4 - bit as i32))
+        } else {
+            _mm512_srl_epi16(hv, _mm_cvtsi32_si128(bit as i32 - 4))
+        };
+        let mask = if f == PackedFormat::Q6K { 0x30 } else { 0x10 };
+        _mm512_or_si512(lo, _mm512_and_si512(moved, _mm512_set1_epi8(mask)))
     }
 
     /// Rows `at.r0 .. + R` against groups `at.g .. + G` (see [`At`]). Every output sees the same
@@ -1275,6 +1518,8 @@ mod avx512vnni {
         let c = offset(f);
         let mut acc = [[_mm512_setzero_ps(); R]; G];
         let wg: [*const u8; G] = std::array::from_fn(|j| w.data.as_ptr().add((g + j) * nb * st));
+        let sb = super_bytes(f);
+        let sg: [*const u8; G] = std::array::from_fn(|j| w.supers.as_ptr().add((g + j) * (nb / SUPER) * sb));
         let low = _mm512_set1_epi8(15);
         for b in 0..nb {
             let blk: [*const u8; G] = std::array::from_fn(|j| wg[j].add(b * st));
@@ -1297,7 +1542,7 @@ mod avx512vnni {
                     }
                 }
             }
-            if f.nibbles() {
+            if f.four_bit() {
                 for t in 0..4 {
                     let v: [__m512i; G] =
                         std::array::from_fn(|j| _mm512_loadu_si512(blk[j].add(hb + 64 * t).cast()));
@@ -1315,8 +1560,7 @@ mod avx512vnni {
                 }
             } else {
                 for t in 0..8 {
-                    let u: [__m512i; G] =
-                        std::array::from_fn(|j| _mm512_loadu_si512(blk[j].add(hb + 64 * t).cast()));
+                    let u: [__m512i; G] = std::array::from_fn(|j| quad(f, blk[j].add(hb), t));
                     let sums = if f.split() && t >= 4 {
                         &mut isum2
                     } else {
@@ -1331,12 +1575,7 @@ mod avx512vnni {
                 }
             }
             for j in 0..G {
-                let h0 = heads(f, blk[j], 0);
-                let h1 = if f.two_heads() {
-                    heads(f, blk[j], 1)
-                } else {
-                    _mm512_setzero_ps()
-                };
+                let [h0, h1] = heads(f, blk[j], sg[j].add(b / SUPER * sb));
                 for r in 0..R {
                     let ab = (r0 + r) * nb + b;
                     let dx = _mm512_set1_ps(*a.d.get_unchecked(ab));
@@ -1568,6 +1807,26 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// A packed matrix holds about what its GGUF bytes hold (what a one-row product must read): within
+    /// 3% for whole groups of 16 rows. (The K-quants once cost 1.33-1.52x their GGUF bytes in f32
+    /// heads.)
+    #[test]
+    fn packed_bytes_are_the_gguf_bytes() {
+        let mut rng = StdRng::seed_from_u64(30);
+        for format in FORMATS {
+            let (bv, bb) = format.gguf_block();
+            let (rows, cols) = (64, 1024);
+            let w = random_packed(&mut rng, format, rows, cols);
+            let gguf = rows * cols / bv * bb;
+            let ratio = w.bytes() as f64 / gguf as f64;
+            assert!(
+                (0.99..=1.03).contains(&ratio),
+                "{format:?}: {} packed bytes for {gguf} in GGUF",
+                w.bytes()
+            );
         }
     }
 
