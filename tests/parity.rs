@@ -287,3 +287,56 @@ fn gguf_and_safetensors_give_the_same_greedy_tokens() {
         }
     }
 }
+
+/// A GGUF whose embedding table is K-quantised keeps it packed (no dense copy; the tied vocabulary
+/// projection reads the same matrix): every looked-up row is candle's dequantisation of the file's
+/// bytes, bit for bit, and the tied head gives finite logits. Q4_K, Q5_K and Q6_K all appear.
+#[test]
+fn packed_gguf_embeddings_are_the_dequantised_table() {
+    use candle_core::quantized::{gguf_file, GgmlDType};
+    let spec = TinySpec {
+        hidden: 256,
+        ..TinySpec::qwen3()
+    };
+    assert!(spec.tied);
+    let dir = common::tempdir();
+    let path = dir.path().join("k.gguf");
+    spec.write_gguf_as(&path, |name| {
+        if name.starts_with("token_embd") {
+            GgmlDType::Q6K
+        } else if name.contains("attn_q.") {
+            GgmlDType::Q4K
+        } else if name.contains("attn_k.") {
+            GgmlDType::Q5K
+        } else {
+            GgmlDType::Q8_0
+        }
+    });
+    let mut f = std::fs::File::open(&path).unwrap();
+    let ct = gguf_file::Content::read(&mut f).unwrap();
+    let q = ct.tensor(&mut f, "token_embd.weight", &Device::Cpu).unwrap();
+    assert_eq!(q.dtype(), GgmlDType::Q6K);
+    let table = q.dequantize(&Device::Cpu).unwrap();
+    let ids: Vec<u32> = vec![0, 1, 7, 100, 255, 7];
+    for opts in [
+        cpu_f32(),
+        LoadOptions {
+            activations: probespec::model::load::Activations::F32,
+            ..cpu_f32()
+        },
+    ] {
+        let model = load_model(&ModelSource::Gguf(path.clone()), &opts).unwrap().model;
+        let got = model.embed(&ids).unwrap().to_vec2::<f32>().unwrap();
+        for (row, &id) in got.iter().zip(&ids) {
+            let want = table.i(id as usize).unwrap().to_vec1::<f32>().unwrap();
+            let same = row.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{:?}: row {id} differs from candle's dequantisation",
+                opts.activations
+            );
+        }
+        let logits = &own_logits(&model, &ids[..4])[3];
+        assert!(logits.len() == spec.vocab && logits.iter().all(|v| v.is_finite()));
+    }
+}

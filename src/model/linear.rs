@@ -3,6 +3,7 @@
 use anyhow::Result;
 use candle_core::quantized::QMatMul;
 use candle_core::{DType, Module, Tensor};
+use std::sync::Arc;
 
 use crate::kernels::{BlockMatrix, PackedMatrix};
 
@@ -12,8 +13,9 @@ pub enum Weight {
     /// block kernel.
     Blocks(BlockMatrix),
     /// GGUF Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K weights on the CPU, repacked for the row-invariant
-    /// kernel with 8-bit activations.
-    Packed(PackedMatrix),
+    /// kernel with 8-bit activations (shared with the embedding table where the output projection is
+    /// tied to it).
+    Packed(Arc<PackedMatrix>),
     /// Other quantised formats, or any on a GPU: candle's quantised matmul.
     Quantized(QMatMul),
 }
@@ -71,7 +73,7 @@ impl Linear {
         let packed: Option<Vec<&PackedMatrix>> = linears
             .iter()
             .map(|l| match &l.weight {
-                Weight::Packed(p) => Some(p),
+                Weight::Packed(p) => Some(&**p),
                 _ => None,
             })
             .collect();

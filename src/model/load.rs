@@ -300,7 +300,7 @@ fn build_from_safetensors(config: ModelConfig, vb: &VarBuilder) -> Result<Transf
     } else {
         lin(c.vocab_size, d, "lm_head", false)?
     };
-    Transformer::new(config, embed, layers, norm, lm_head, None)
+    Transformer::new(config, embed.into(), layers, norm, lm_head, None)
 }
 
 /// Models up to this many parameters are dequantised to dense weights on the CPU (about 4 GiB in f32).
@@ -390,7 +390,6 @@ fn build_from_gguf(
         ct.tensor(file, name, dev)
             .map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
     };
-    let embed_q = read("token_embd.weight")?;
     let c = &config;
     let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
     // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
@@ -418,7 +417,7 @@ fn build_from_gguf(
             GgufMatrix::Packed(f) => {
                 let (n, k) = q.shape().dims2()?;
                 let p = PackedMatrix::from_gguf(f, n, k, &q.data()?, rows.as_deref())?;
-                Linear::new(Weight::Packed(p), None)
+                Linear::new(Weight::Packed(Arc::new(p)), None)
             }
             GgufMatrix::Candle => {
                 let l = Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None);
@@ -435,7 +434,27 @@ fn build_from_gguf(
         linear_rows(q, rows)
     };
     let norm = |q: QTensor| -> Result<RmsNorm> { Ok(RmsNorm::new(dense(&q)?, c.rms_norm_eps)) };
-    let embed = dense(&embed_q)?;
+    // The table stays packed where the output projection reads it so (and is shared with it when
+    // tied); the GGUF bytes are dropped as soon as they are repacked.
+    let (embed, tied_head) = {
+        let q = read("token_embd.weight")?;
+        match gguf_matrix(q.dtype(), dev, params, opts) {
+            GgufMatrix::Packed(f) => {
+                let (n, k) = q.shape().dims2()?;
+                let matrix = Arc::new(PackedMatrix::from_gguf(f, n, k, &q.data()?, None)?);
+                let head = Linear::new(Weight::Packed(matrix.clone()), None);
+                let embed = super::Embeddings::Packed {
+                    matrix,
+                    dtype: opts.dtype,
+                };
+                (embed, config.tie_word_embeddings.then_some(head))
+            }
+            _ => {
+                let embed = super::Embeddings::Dense(dense(&q)?);
+                (embed, config.tie_word_embeddings.then(|| linear(q)).transpose()?)
+            }
+        }
+    };
     let mut layers = Vec::with_capacity(c.num_layers);
     for i in 0..c.num_layers {
         let p = format!("blk.{i}");
@@ -462,10 +481,9 @@ fn build_from_gguf(
         });
     }
     let final_norm = norm(read("output_norm.weight")?)?;
-    let lm_head = if config.tie_word_embeddings {
-        linear(embed_q)?
-    } else {
-        linear(read("output.weight")?)?
+    let lm_head = match tied_head {
+        Some(head) => head,
+        None => linear(read("output.weight")?)?,
     };
     let rope_factors = if ct.tensor_infos.contains_key("rope_freqs.weight") {
         Some(

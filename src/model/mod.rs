@@ -16,8 +16,10 @@ pub use kv_cache::KvCache;
 pub use linear::{Linear, Weight};
 pub use load::{load_model, LoadedModel, ModelSource};
 
+use crate::kernels::PackedMatrix;
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
+use std::sync::Arc;
 
 pub struct RmsNorm {
     weight: Tensor,
@@ -67,9 +69,69 @@ pub enum BlockMask {
     Additive(Tensor),
 }
 
+/// The input embedding table: dense, or a GGUF file's packed quantised matrix (shared with a tied
+/// output projection), whose rows are dequantised as they are looked up. A dense f32 copy of a 1B
+/// model's 128256 x 2048 table alone is 1 GiB, more than the whole Q4_K_M file.
+pub enum Embeddings {
+    Dense(Tensor),
+    Packed {
+        matrix: Arc<PackedMatrix>,
+        /// The dtype looked-up rows are returned in.
+        dtype: DType,
+    },
+}
+
+impl From<Tensor> for Embeddings {
+    fn from(t: Tensor) -> Self {
+        Embeddings::Dense(t)
+    }
+}
+
+impl Embeddings {
+    fn device(&self) -> Device {
+        match self {
+            Embeddings::Dense(t) => t.device().clone(),
+            Embeddings::Packed { .. } => Device::Cpu,
+        }
+    }
+
+    fn dtype(&self) -> DType {
+        match self {
+            Embeddings::Dense(t) => t.dtype(),
+            Embeddings::Packed { dtype, .. } => *dtype,
+        }
+    }
+
+    /// Rows `ids` (all within the vocabulary): `[ids.len(), hidden]`. Packed rows are the values the
+    /// dense table would hold (`PackedMatrix::dequantize_row` is candle's dequantisation).
+    fn rows(&self, ids: &[u32]) -> Result<Tensor> {
+        match self {
+            Embeddings::Dense(t) => Ok(t.index_select(&Tensor::new(ids, t.device())?, 0)?),
+            Embeddings::Packed { matrix, dtype } => {
+                let d = matrix.dims().1;
+                let mut out = vec![0f32; ids.len() * d];
+                for (&id, row) in ids.iter().zip(out.chunks_exact_mut(d)) {
+                    matrix.dequantize_row(id as usize, row);
+                }
+                Ok(Tensor::from_vec(out, (ids.len(), d), &Device::Cpu)?.to_dtype(*dtype)?)
+            }
+        }
+    }
+
+    /// The whole table, dense (a temporary copy for a packed one).
+    pub fn table(&self) -> Result<Tensor> {
+        match self {
+            Embeddings::Dense(t) => Ok(t.clone()),
+            Embeddings::Packed { matrix, dtype } => {
+                Ok(Tensor::from_vec(matrix.dequantize(), matrix.dims(), &Device::Cpu)?.to_dtype(*dtype)?)
+            }
+        }
+    }
+}
+
 pub struct Transformer {
     pub config: ModelConfig,
-    pub embed_tokens: Tensor,
+    pub embed_tokens: Embeddings,
     pub layers: Vec<Layer>,
     pub norm: RmsNorm,
     pub lm_head: Linear,
@@ -85,13 +147,13 @@ pub struct Transformer {
 impl Transformer {
     pub fn new(
         config: ModelConfig,
-        embed_tokens: Tensor,
+        embed_tokens: Embeddings,
         layers: Vec<Layer>,
         norm: RmsNorm,
         lm_head: Linear,
         rope_freq_factors: Option<Vec<f32>>,
     ) -> Result<Self> {
-        let device = embed_tokens.device().clone();
+        let device = embed_tokens.device();
         let dtype = embed_tokens.dtype();
         let mut inv_freq = config.rope_inv_freq();
         if let Some(f) = rope_freq_factors {
@@ -147,8 +209,7 @@ impl Transformer {
         if let Some(bad) = ids.iter().find(|&&t| t >= vocab) {
             bail!("token id {bad} is outside the model's vocabulary of {vocab}");
         }
-        let idx = Tensor::new(ids, &self.device)?;
-        Ok(self.embed_tokens.index_select(&idx, 0)?)
+        self.embed_tokens.rows(ids)
     }
 
     /// Runs a block of `x.dim(0)` rows (`x`: `[rows, hidden]` input embeddings) at `positions`, appending

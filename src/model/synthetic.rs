@@ -89,7 +89,7 @@ pub fn random_model(config: ModelConfig, device: &Device, dtype: DType) -> Resul
         lin(c.vocab_size, d)?
     };
     let final_norm = norm(d)?;
-    Transformer::new(config, embed, layers, final_norm, lm_head, None)
+    Transformer::new(config, embed.into(), layers, final_norm, lm_head, None)
 }
 
 #[cfg(test)]

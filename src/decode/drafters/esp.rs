@@ -93,7 +93,7 @@ impl MaskEmbedding {
                     .collect()
             }
             MaskInit::Normal => {
-                let table = model.embed_tokens.to_dtype(DType::F32)?;
+                let table = model.embed_tokens.table()?.to_dtype(DType::F32)?;
                 let mean = table.mean(0)?;
                 let var = table.broadcast_sub(&mean)?.sqr()?.mean(0)?;
                 let (mean, var) = (mean.to_vec1::<f32>()?, var.to_vec1::<f32>()?);
