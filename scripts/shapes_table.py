@@ -32,8 +32,13 @@ def resolve(spec):
 
 
 def label(path):
+    """The file's name, marked when `probespec shape-gguf` wrote it (its description says so, among the
+    first metadata keys)."""
     name = os.path.basename(path)
-    return name[:-5] if name.endswith(".gguf") else name
+    name = name[:-5] if name.endswith(".gguf") else name
+    with open(path, "rb") as f:
+        random = b"written by probespec shape-gguf" in f.read(1 << 16)
+    return f"{name} (random weights)" if random else name
 
 
 def timed(cmd, run):
