@@ -13,6 +13,14 @@ round or question by question, so a drift of the machine hits both):
    llama-completion and llama-lookup against probespec ar / pld / esp / hybrid (median decode tokens/s).
 
 Usage: scripts/compare-llamacpp.py [--model GGUF] [--threads 2] [--rounds 5] [--per-group 2] [--json OUT]
+
+With `--shapes FILE|SHAPE:FORMAT,...` (SHAPE:FORMAT names a file of scripts/real-shapes.sh in
+~/.cache/probespec/shapes, e.g. qwen3-0.6b:q4_k_m; random weights, so speeds only) it instead measures,
+per file, in rounds (default 3) that take every file and tool in turn, and prints markdown tables:
+plain decoding (`probespec --method ar`, 64 tokens, against `llama-bench -n 64`), the block cost after 256
+cached tokens (`probespec cost` against `llama-bench -p 1,4,8,16 -n 0 -d 256`: ms per block and
+cost(8)/cost(1)), and loading (`probespec --max-new-tokens 1` against `llama-completion -c 4096 -n 1`:
+wall time to the first token and peak RSS, read by /usr/bin/time).
 """
 import argparse, json, os, re, statistics, subprocess, sys
 
@@ -32,10 +40,14 @@ p.add_argument("--draft-max", type=int, default=8, help="llama-lookup's longest 
 p.add_argument("--methods", default="ar,pld,esp,hybrid", help="probespec methods of part 3")
 p.add_argument("--parts", default="1,2,3")
 p.add_argument("--json", help="write every measurement to this file")
+p.add_argument("--shapes", help="comma-separated GGUF files or SHAPE:FORMAT names of scripts/real-shapes.sh: "
+               "the per-file tables instead of parts 1-3")
 a = p.parse_args()
+if a.shapes and "--rounds" not in sys.argv:
+    a.rounds = 3
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(here)
-if not os.path.isfile(a.model):
+if not a.shapes and not os.path.isfile(a.model):
     sys.exit(f"model not found: {a.model} (make model fetches the default one)")
 if not os.access(a.binary, os.X_OK):
     sys.exit(f"{a.binary} not found: cargo build --release first")
@@ -75,7 +87,7 @@ questions = [json.loads(l) for l in open(os.path.join(root, "data/spec_bench/que
 article = next(q for q in questions if q["category"] == "summarization")["turns"][0]
 long_prompt = article[:1100]
 short_prompt = "Once upon a time, in a small village by the sea,"
-parts = set(a.parts.split(","))
+parts = set() if a.shapes else set(a.parts.split(","))
 
 if "1" in parts:
     rows = {"llama.cpp depth 0": [], "llama.cpp depth 256": [], "probespec depth 0": [],
@@ -153,6 +165,10 @@ if "3" in parts:
           "median decode tok/s")
     for k, v in speeds.items():
         print(f"{k:22}{med(v):>9.1f}   {ratio(med(v), base):.3f}x llama-completion")
+
+if a.shapes:
+    import shapes_table
+    out["shapes"] = shapes_table.run(a, tools, run, short_prompt)
 
 if a.json:
     with open(a.json, "w") as f:

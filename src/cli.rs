@@ -45,6 +45,8 @@ enum Command {
     Bench(BenchArgs),
     /// Forward cost curve: one block of R rows after C cached tokens, for a model or a named shape.
     Cost(CostArgs),
+    /// Write a GGUF of random weights in a published shape and llama-quantize's mix (speed tests only).
+    ShapeGguf(ShapeGgufArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -413,7 +415,8 @@ impl BenchRunArgs {
 pub struct CostArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Random weights of a published shape instead of a checkpoint: llama3-8b, qwen3-8b, smollm2-135m.
+    /// Random weights of a published shape instead of a checkpoint: qwen3-0.6b, qwen3-4b, qwen3-8b,
+    /// llama3.2-1b, llama3.2-3b, llama3.1-8b (= llama3-8b), smollm2-135m.
     #[arg(long, conflicts_with = "model")]
     pub shape: Option<String>,
     /// Block sizes (rows per forward pass).
@@ -446,6 +449,25 @@ impl CostArgs {
             save: self.save,
         }
     }
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct ShapeGgufArgs {
+    /// Published shape: qwen3-0.6b, qwen3-4b, qwen3-8b, llama3.2-1b, llama3.2-3b, llama3.1-8b.
+    #[arg(long)]
+    pub shape: String,
+    /// llama-quantize's mix: q4_k_m, q4_0 or q8_0.
+    #[arg(long, default_value = "q4_k_m")]
+    pub format: String,
+    /// Folder with the shape family's byte-level BPE tokenizer.json and tokenizer_config.json.
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    /// The GGUF file to write.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }
 
 fn run_bench(b: &BenchArgs) -> Result<()> {
@@ -484,6 +506,15 @@ pub fn main() -> i32 {
         Some(Command::Generate(args)) => run_generate(&args),
         Some(Command::Bench(args)) => run_bench(&args),
         Some(Command::Cost(args)) => crate::bench::cost::run(&args.options()),
+        Some(Command::ShapeGguf(a)) => {
+            crate::model::shape_gguf::run(&crate::model::shape_gguf::ShapeGgufOptions {
+                shape: a.shape,
+                format: a.format,
+                tokenizer: a.tokenizer,
+                out: a.out,
+                seed: a.seed,
+            })
+        }
         None => run_generate(&cli.generate),
     };
     match result {

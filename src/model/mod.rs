@@ -9,6 +9,7 @@ pub mod config;
 pub mod kv_cache;
 pub mod linear;
 pub mod load;
+pub mod shape_gguf;
 pub mod synthetic;
 
 pub use config::{Arch, ModelConfig};

@@ -1,24 +1,61 @@
-//! Random-weight models of real shapes (LLaMA 3.1 8B, Qwen 3 8B, SmolLM2 135M).
+//! Random-weight models of real shapes (Qwen 3 0.6B / 4B / 8B, LLaMA 3.2 1B / 3B, LLaMA 3.1 8B, SmolLM2
+//! 135M).
 //!
 //! The cost of a forward pass depends on the shapes, not on the values of the weights, so the cost curve
 //! of a model that cannot be downloaded (no machine here reaches a hub) can still be measured on any
-//! device: `probespec cost --shape llama3-8b --device cuda`. The configurations are the published
-//! `config.json` values of those checkpoints, parsed by the same code as a real checkpoint's.
+//! device: `probespec cost --shape llama3-8b --device cuda`, or written as a GGUF file by `probespec
+//! shape-gguf` (`shape_gguf`). The configurations are the published `config.json` values of those
+//! checkpoints, parsed by the same code as a real checkpoint's.
 
 use super::{Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
+/// LLaMA 3.1 8B (Meta-Llama-3.1-8B's config.json); `llama3-8b` and `llama3.1-8b` name it.
+const LLAMA31_8B: &str = r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}"#;
+
 /// Shapes known by name, with their `config.json` essentials.
-const SHAPES: [(&str, &str); 3] = [
+const SHAPES: [(&str, &str); 8] = [
+    ("llama3-8b", LLAMA31_8B),
+    ("llama3.1-8b", LLAMA31_8B),
     (
-        "llama3-8b",
-        r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "llama3.2-1b",
+        r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
+            "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
             "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
-            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                              "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-            "tie_word_embeddings": false, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009]}"#,
+            "tie_word_embeddings": true, "bos_token_id": 128000, "eos_token_id": 128001}"#,
+    ),
+    (
+        "llama3.2-3b",
+        r#"{"model_type": "llama", "vocab_size": 128256, "hidden_size": 3072, "intermediate_size": 8192,
+            "num_hidden_layers": 28, "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128,
+            "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+            "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "tie_word_embeddings": true, "bos_token_id": 128000, "eos_token_id": 128001}"#,
+    ),
+    (
+        "qwen3-0.6b",
+        r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024, "intermediate_size": 3072,
+            "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+            "tie_word_embeddings": true, "attention_bias": false, "bos_token_id": 151643,
+            "eos_token_id": 151645}"#,
+    ),
+    (
+        "qwen3-4b",
+        r#"{"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 2560, "intermediate_size": 9728,
+            "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+            "rms_norm_eps": 1e-6, "rope_theta": 1000000, "max_position_embeddings": 40960,
+            "tie_word_embeddings": true, "attention_bias": false, "bos_token_id": 151643,
+            "eos_token_id": 151645}"#,
     ),
     (
         "qwen3-8b",
@@ -111,6 +148,40 @@ mod tests {
             (q.num_layers, q.intermediate_size, q.vocab_size),
             (36, 12288, 151936)
         );
+        // The small shapes, against their published config.json values.
+        for (name, layers, hidden, ff, heads, kv, hd, tied) in [
+            ("qwen3-0.6b", 28, 1024, 3072, 16, 8, 128, true),
+            ("qwen3-4b", 36, 2560, 9728, 32, 8, 128, true),
+            ("llama3.2-1b", 16, 2048, 8192, 32, 8, 64, true),
+            ("llama3.2-3b", 28, 3072, 8192, 24, 8, 128, true),
+            ("llama3.1-8b", 32, 4096, 14336, 32, 8, 128, false),
+        ] {
+            let c = shape_config(name)?;
+            assert_eq!(
+                (
+                    c.num_layers,
+                    c.hidden_size,
+                    c.intermediate_size,
+                    c.num_heads,
+                    c.num_kv_heads
+                ),
+                (layers, hidden, ff, heads, kv),
+                "{name}"
+            );
+            assert_eq!((c.head_dim, c.tie_word_embeddings), (hd, tied), "{name}");
+            let llama = name.starts_with("llama");
+            assert_eq!(c.vocab_size, if llama { 128256 } else { 151936 }, "{name}");
+            assert_eq!(c.rope_theta, if llama { 500000.0 } else { 1e6 }, "{name}");
+            let factor = c.rope_scaling.as_ref().map(|s| s.factor);
+            let want = if name == "llama3.1-8b" {
+                Some(8.0)
+            } else if llama {
+                Some(32.0)
+            } else {
+                None
+            };
+            assert_eq!(factor, want, "{name}");
+        }
         let e = shape_config("gpt-9").unwrap_err().to_string();
         assert!(e.contains("llama3-8b") && e.contains("gpt-9"), "{e}");
         Ok(())

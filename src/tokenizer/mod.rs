@@ -18,6 +18,8 @@ use serde_json::Value as Json;
 
 use chat::ChatTemplate;
 pub use chat::Message;
+/// The split regexes that name a GGUF's `tokenizer.ggml.pre` (`probespec shape-gguf` writes that name).
+pub(crate) use gguf::{LLAMA3_SPLIT, QWEN2_SPLIT};
 pub use stream::StreamDecoder;
 
 /// Tokens that end an assistant turn in the supported families (ChatML, LLaMA 3, GPT-2 style,

@@ -1,0 +1,128 @@
+"""`compare-llamacpp.py --shapes`: probespec against llama.cpp per GGUF file, in interleaved rounds.
+
+For every file and round: plain decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64),
+the block cost after 256 cached tokens (probespec cost against llama-bench -p 1,4,8,16 -n 0 -d 256), and
+loading (wall time to the first token and peak RSS of probespec --max-new-tokens 1 against
+llama-completion -c 4096 -n 1, both under /usr/bin/time). A round takes every file and every tool in turn,
+so a drift of the machine hits all of them. Files of scripts/real-shapes.sh have random weights: their
+speeds stand for the shape, their text is noise.
+"""
+import json, os, statistics, subprocess, sys, tempfile, time
+
+ROWS = [1, 4, 8, 16]
+NEW_TOKENS = 64
+
+
+def shapes_dir():
+    return os.environ.get("PROBESPEC_SHAPES_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "probespec", "shapes")
+
+
+def resolve(spec):
+    """A GGUF path, or SHAPE:FORMAT -> the file scripts/real-shapes.sh writes."""
+    if os.path.isfile(spec):
+        return spec
+    if ":" in spec:
+        shape, fmt = spec.split(":", 1)
+        path = os.path.join(shapes_dir(), f"{shape}.{fmt}.gguf")
+        if os.path.isfile(path):
+            return path
+        sys.exit(f"{path} not found: scripts/real-shapes.sh {shape} {fmt} makes it")
+    sys.exit(f"not a file or SHAPE:FORMAT: {spec}")
+
+
+def label(path):
+    """The file's name, marked when `probespec shape-gguf` wrote it (its description says so, among the
+    first metadata keys)."""
+    name = os.path.basename(path)
+    name = name[:-5] if name.endswith(".gguf") else name
+    with open(path, "rb") as f:
+        random = b"written by probespec shape-gguf" in f.read(1 << 16)
+    return f"{name} (random weights)" if random else name
+
+
+def timed(cmd, run):
+    """Runs cmd under /usr/bin/time: (seconds of wall time, peak RSS in MB, the completed process)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
+        t0 = time.perf_counter()
+        r = run(["/usr/bin/time", "-f", "%M", "-o", t.name, *cmd])
+        wall = time.perf_counter() - t0
+        rss_kb = int(t.read().strip().splitlines()[-1])
+    return wall, rss_kb / 1024, r
+
+
+def med(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def spread(xs):
+    return f"{med(xs):.2f} ({min(xs):.2f}-{max(xs):.2f})" if xs else "n/a"
+
+
+def run(a, tools, run_cmd, prompt):
+    files = [resolve(s) for s in a.shapes.split(",")]
+    T = str(a.threads)
+    bench = os.path.join(tools, "llama-bench")
+    completion = os.path.join(tools, "llama-completion")
+    m = {f: {"lc_tps": [], "ps_tps": [], "ps_new": [], "lc_ms": {r: [] for r in ROWS},
+             "ps_ms": {r: [] for r in ROWS}, "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
+         for f in files}
+    for rnd in range(a.rounds):
+        for f in files:
+            x = m[f]
+            # 1. plain decoding
+            r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
+            x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
+            r = run_cmd([a.binary, "--model", f, "--json", "--method", "ar", "--no-chat-template",
+                         "--max-new-tokens", str(NEW_TOKENS), prompt])
+            j = json.loads(r.stdout.strip().splitlines()[-1])
+            x["ps_tps"].append(j["stats"]["tokens_per_second"])
+            x["ps_new"].append(len(j["token_ids"]))
+            # 2. block cost after 256 cached tokens
+            r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", ",".join(map(str, ROWS)),
+                         "-n", "0", "-d", "256"])
+            for d in json.loads(r.stdout):
+                x["lc_ms"][d["n_prompt"]].append(d["avg_ns"] / 1e6)
+            r = run_cmd([a.binary, "cost", "--model", f, "--rows", ",".join(map(str, ROWS)), "--cache", "256",
+                         "--repeats", "3", "--json"])
+            for pt in json.loads(r.stdout)["points"]:
+                x["ps_ms"][pt["rows"]].append(pt["median_ms"])
+            # 3. loading: time to the first token, peak RSS
+            wall, rss, _ = timed([completion, "-m", f, "-t", T, "-c", "4096", "-n", "1", "--temp", "0",
+                                  "-no-cnv", "--no-display-prompt", "-p", prompt], run_cmd)
+            x["lc_load"].append(wall)
+            x["lc_rss"].append(rss)
+            wall, rss, _ = timed([a.binary, "--model", f, "--method", "ar", "--no-chat-template",
+                                  "--max-new-tokens", "1", prompt], run_cmd)
+            x["ps_load"].append(wall)
+            x["ps_rss"].append(rss)
+            print(f"shapes, round {rnd + 1}/{a.rounds}: {label(f)}", file=sys.stderr)
+
+    n = a.rounds
+    print(f"\nA. Plain decoding, {NEW_TOKENS} new tokens, {a.threads} threads: tok/s, median of {n} (min-max)\n")
+    print("| file | llama-bench -n 64 | probespec --method ar | ratio |")
+    print("|---|---|---|---|")
+    for f in files:
+        x = m[f]
+        short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
+        print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
+              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x |")
+    print(f"\nB. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
+          "and cost(8)/cost(1)\n")
+    print("| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |")
+    print("|---|---|---|---|---|")
+    for f in files:
+        x = m[f]
+        lc = " / ".join(f"{med(x['lc_ms'][r]):.1f}" for r in ROWS)
+        ps = " / ".join(f"{med(x['ps_ms'][r]):.1f}" for r in ROWS)
+        print(f"| {label(f)} | {lc} | {med(x['lc_ms'][8]) / med(x['lc_ms'][1]):.2f} | {ps} | "
+              f"{med(x['ps_ms'][8]) / med(x['ps_ms'][1]):.2f} |")
+    print(f"\nC. Loading: wall time to the first token (s) and peak RSS (MB), median of {n} (min-max)\n")
+    print("| file | llama-completion -c 4096 -n 1 | probespec --max-new-tokens 1 | ratio | "
+          "RSS llama.cpp | RSS probespec |")
+    print("|---|---|---|---|---|---|")
+    for f in files:
+        x = m[f]
+        print(f"| {label(f)} | {spread(x['lc_load'])} | {spread(x['ps_load'])} | "
+              f"{med(x['ps_load']) / med(x['lc_load']):.2f}x | {med(x['lc_rss']):.0f} | {med(x['ps_rss']):.0f} |")
+    return {label(f): m[f] for f in files}
