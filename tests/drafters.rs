@@ -266,9 +266,28 @@ fn auto_builds_trees_when_the_curve_is_flat_and_decodes_plainly_when_it_is_steep
                     s.method,
                     blocks_line(&s.block_histogram)
                 );
-                // The steps that are not plain are the explorations: small blocks.
+                // The steps that are not plain are the explorations: small blocks ...
                 let big: usize = s.block_histogram.iter().skip(4).sum();
                 assert_eq!(big, 0, "{}: {}", s.method, blocks_line(&s.block_histogram));
+                // ... and what they cost beyond plain steps, priced by the curve (every row a plain
+                // step), stays under 2% of a 64-token answer: not one extra row.
+                let extra_rows: usize = s
+                    .block_histogram
+                    .iter()
+                    .enumerate()
+                    .map(|(rows, n)| rows.saturating_sub(1) * n)
+                    .sum();
+                assert!(
+                    (extra_rows as f64) < 0.02 * steps as f64,
+                    "{}: {extra_rows} rows beyond plain steps over {steps} steps: {}",
+                    s.method,
+                    blocks_line(&s.block_histogram)
+                );
+            }
+            // ESP's prefill carries its mask rows only where a first tree would pay.
+            if m.kind() == probespec::decode::method::MethodKind::Esp {
+                let probes = m.drafter(0).unwrap().begin(&model, &prompt).unwrap();
+                assert_eq!(probes, usize::from(is_flat), "{m:?}");
             }
         }
     }

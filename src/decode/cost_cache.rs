@@ -13,7 +13,7 @@
 //! (tests, callers that know better), else the model's file when [`attach`] gave it one (the
 //! [`crate::session::Session`] does), else a fresh measurement kept in memory.
 
-use super::cost::CostCurve;
+use super::cost::{CostCurve, FIRST_TIMING_BUDGET};
 use crate::model::Transformer;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -187,14 +187,15 @@ impl CurveStore {
         })
     }
 
-    /// The stored curve, or a new measurement of `model`, saved. A failed save is otherwise ignored: the
-    /// curve is still good for this process. On a terminal a line says where the pause came from.
-    pub fn load_or_measure(&self, model: &Transformer) -> Result<CostCurve> {
+    /// The stored curve, or a new measurement of `model` within [`FIRST_TIMING_BUDGET`], saved, with the
+    /// seconds the timing took. A failed save is otherwise ignored: the curve is still good for this
+    /// process. On a terminal a line says where the pause came from.
+    pub fn load_or_measure(&self, model: &Transformer) -> Result<(CostCurve, Option<f64>)> {
         if let Some(c) = self.load() {
-            return Ok(c);
+            return Ok((c, None));
         }
         let t = Instant::now();
-        let curve = CostCurve::measure(model)?;
+        let curve = CostCurve::measure_within(model, Some(FIRST_TIMING_BUDGET))?;
         let secs = t.elapsed().as_secs_f64();
         let saved = self.save(&curve);
         if std::io::stderr().is_terminal() {
@@ -208,7 +209,7 @@ impl CurveStore {
                 ),
             }
         }
-        Ok(curve)
+        Ok((curve, Some(secs)))
     }
 }
 
@@ -217,6 +218,8 @@ impl CurveStore {
 struct Entry {
     curve: Option<Arc<CostCurve>>,
     store: Option<CurveStore>,
+    /// Seconds the curve took to time in this process, until [`take_timing`] reports them.
+    timed: Option<f64>,
 }
 
 fn registry() -> &'static Mutex<HashMap<u64, Entry>> {
@@ -244,13 +247,25 @@ pub fn curve_for(model: &Transformer) -> Result<Arc<CostCurve>> {
     if let Some(c) = &entry.curve {
         return Ok(c.clone());
     }
-    let curve = match &entry.store {
+    let (curve, timed) = match &entry.store {
         Some(store) => store.load_or_measure(model)?,
-        None => CostCurve::measure(model)?,
+        None => {
+            let t = Instant::now();
+            let curve = CostCurve::measure_within(model, Some(FIRST_TIMING_BUDGET))?;
+            (curve, Some(t.elapsed().as_secs_f64()))
+        }
     };
     let curve = Arc::new(curve);
     entry.curve = Some(curve.clone());
+    entry.timed = timed;
     Ok(curve)
+}
+
+/// The seconds [`curve_for`] spent timing `model`'s curve since the last call, if it timed one: the
+/// decoding statistics of the generation that paid for it say so.
+pub fn take_timing(model: &Transformer) -> Option<f64> {
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.get_mut(&model.id).and_then(|e| e.timed.take())
 }
 
 #[cfg(test)]

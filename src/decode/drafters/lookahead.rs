@@ -379,7 +379,10 @@ impl Drafter for Lookahead {
         self.levels.clear();
         self.auto = match self.cfg.window {
             Some(_) => None,
-            None => Some(LookaheadAuto::new(Chooser::new(curve_for(model)?))),
+            // The exploring block: the root, one window row and one verification node.
+            None => Some(LookaheadAuto::new(
+                Chooser::new(curve_for(model)?).exploring_with(3),
+            )),
         };
         // The prefill's root is the last prompt token.
         let w = self.cfg.window.unwrap_or(DEFAULT_WINDOW);
