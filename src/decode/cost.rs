@@ -38,6 +38,25 @@ pub struct CostCurve {
     pub extra_logits_seconds: f64,
 }
 
+/// The runs a curve was made from, kept with it so that a timing cut short by its budget is topped up
+/// by later runs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Samples {
+    pub contexts: Vec<usize>,
+    pub rows: Vec<usize>,
+    /// `points[c][r]`: the seconds of each run of `rows[r]` rows after `contexts[c]` cached tokens.
+    pub points: Vec<Vec<Vec<f64>>>,
+    /// The runs of the extra vocabulary projection.
+    pub extra: Vec<f64>,
+}
+
+impl Samples {
+    /// Whether every point (and the extra projection) has its [`REPEATS`] runs.
+    pub fn complete(&self) -> bool {
+        self.extra.len() >= REPEATS && self.points.iter().flatten().all(|t| t.len() >= REPEATS)
+    }
+}
+
 impl CostCurve {
     /// A curve from a formula `f(cache length, rows)` at the timed points: for tests and what-if runs.
     pub fn from_fn(f: impl Fn(usize, usize) -> f64, extra_logits_seconds: f64) -> Self {
@@ -57,68 +76,84 @@ impl CostCurve {
 
     /// Times the model fully: at each cache length of [`TIMED_CONTEXTS`] that fits its window, every
     /// block size of [`TIMED_ROWS`], the median of [`REPEATS`] runs (`probespec cost --save`).
-    pub fn measure(model: &Transformer) -> Result<Self> {
-        Self::measure_within(model, None)
+    pub fn measure(model: &Transformer) -> Result<(Self, Samples)> {
+        Self::measure_within(model, None, None)
     }
 
-    /// Times the model within about `budget` (none: no limit): the points of the grid in order of how
-    /// much of the curve they pin down (the corners of the fewest and most rows at the shortest and
-    /// longest cache first, then the middles), one run each, then more runs while the budget lasts, up
-    /// to [`REPEATS`]. Points never timed are interpolated from the timed ones ([`fill_untimed`]), so a
-    /// large model's first run pays a second or so for its curve instead of most of a minute. The
-    /// corners are always timed, past the budget if need be.
-    pub fn measure_within(model: &Transformer, budget: Option<Duration>) -> Result<Self> {
+    /// Times the model within about `budget` (none: no limit), continuing from `prior` (the samples a
+    /// budgeted timing of the same grid left): the points of the grid in order of how much of the curve
+    /// they pin down (the corners of the fewest and most rows at the shortest and longest cache first,
+    /// then the middles), one run each, then more runs while the budget lasts, up to [`REPEATS`].
+    /// Points never timed are interpolated from the timed ones ([`fill_untimed`]), so a large model's
+    /// first run pays a second or so for its curve instead of most of a minute, and each later run
+    /// tops it up within the same budget until [`Samples::complete`]. The corners are always timed,
+    /// past the budget if need be.
+    pub fn measure_within(
+        model: &Transformer,
+        budget: Option<Duration>,
+        prior: Option<&Samples>,
+    ) -> Result<(Self, Samples)> {
         let start = Instant::now();
         let (contexts, rows) = grid_for(model);
         let order = timing_order(contexts.len(), rows.len());
-        let corners = order.iter().take_while(|p| p.2 == 0).count();
         let max_rows = *rows.last().unwrap();
         let vocab = model.config.vocab_size as u64;
         let ids: Vec<u32> = (0..max_rows)
             .map(|i| ((i as u64 * 2_654_435_761 + 12_345) % vocab) as u32)
             .collect();
         let mut cache = model.new_cache(contexts[contexts.len() - 1] + max_rows)?;
-        let mut samples: Vec<Vec<Vec<f64>>> = vec![vec![Vec::new(); rows.len()]; contexts.len()];
+        let mut samples = match prior {
+            Some(p) if p.contexts == contexts && p.rows == rows => p.clone(),
+            _ => Samples {
+                points: vec![vec![Vec::new(); rows.len()]; contexts.len()],
+                contexts: contexts.clone(),
+                rows: rows.clone(),
+                extra: Vec::new(),
+            },
+        };
         let over = |t: &Instant| budget.is_some_and(|b| t.elapsed() >= b);
         // One warm-up run of the fewest and most rows (the first forward pays page faults and buffers).
         resize(model, contexts[0], &mut cache)?;
         time_step(model, &ids[..1], &mut cache)?;
         time_step(model, &ids[..max_rows], &mut cache)?;
         'repeats: for repeat in 0..REPEATS {
-            for (i, &(c, r, _)) in order.iter().enumerate() {
-                if (repeat > 0 || i >= corners) && over(&start) {
+            for &(c, r, priority) in &order {
+                let runs = &samples.points[c][r];
+                if runs.len() > repeat {
+                    continue;
+                }
+                if over(&start) && !(priority == 0 && runs.is_empty()) {
                     break 'repeats;
                 }
                 resize(model, contexts[c], &mut cache)?;
-                samples[c][r].push(time_step(model, &ids[..rows[r]], &mut cache)?);
+                let t = time_step(model, &ids[..rows[r]], &mut cache)?;
+                samples.points[c][r].push(t);
             }
         }
         let timed: Vec<Vec<Option<f64>>> = samples
-            .into_iter()
+            .points
+            .iter()
             .map(|line| {
-                line.into_iter()
-                    .map(|mut t| (!t.is_empty()).then(|| median(&mut t)))
+                line.iter()
+                    .map(|t| (!t.is_empty()).then(|| median(&mut t.clone())))
                     .collect()
             })
             .collect();
         let seconds = fill_untimed(&contexts, &rows, &timed);
         let h = model.embed(&[0])?;
-        let mut extra = Vec::new();
-        for _ in 0..REPEATS {
-            if !extra.is_empty() && over(&start) {
-                break;
-            }
+        while samples.extra.len() < REPEATS && !(over(&start) && !samples.extra.is_empty()) {
             model.device.synchronize()?;
             let t = Instant::now();
             model.logits(&h, &[0])?.to_vec2::<f32>()?;
-            extra.push(t.elapsed().as_secs_f64());
+            samples.extra.push(t.elapsed().as_secs_f64());
         }
-        Ok(CostCurve {
+        let curve = CostCurve {
             contexts,
             rows,
             seconds,
-            extra_logits_seconds: median(&mut extra),
-        })
+            extra_logits_seconds: median(&mut samples.extra.clone()),
+        };
+        Ok((curve, samples))
     }
 
     /// Whether the curve is usable (a file read back may hold anything).
@@ -223,8 +258,8 @@ fn timing_order(contexts: usize, rows: usize) -> Vec<(usize, usize, usize)> {
     order
 }
 
-/// The full grid from the timed points (`timed[c][r]`, `None` where untimed): a bigger block is never
-/// recorded as cheaper than a smaller one (that is timing noise); a cache length with two or more timed
+/// The full grid from the timed points (`timed[c][r]`, `None` where untimed): a bigger block, or a longer
+/// cache, is never recorded as cheaper than a smaller one (that is timing noise); a cache length with two or more timed
 /// sizes gets the others by [`interpolate`] in rows; one with fewer is interpolated, size by size,
 /// between the nearest such lengths below and above (held beyond them). At least one length must have
 /// two timed sizes, or one size when there is only one.
@@ -267,7 +302,14 @@ pub fn fill_untimed(contexts: &[usize], rows: &[usize], timed: &[Vec<Option<f64>
         };
         lines[c] = Some(line);
     }
-    lines.into_iter().map(Option::unwrap).collect()
+    // Attention only adds work as the cache grows: a longer cache timed cheaper is noise too.
+    let mut lines: Vec<Vec<f64>> = lines.into_iter().map(Option::unwrap).collect();
+    for c in 1..lines.len() {
+        for r in 0..rows.len() {
+            lines[c][r] = lines[c][r].max(lines[c - 1][r]);
+        }
+    }
+    lines
 }
 
 /// Times decoding steps of each block size after each cache length: `samples[c][r]` holds `repeats`
@@ -440,6 +482,12 @@ mod tests {
         assert!((full[1][4] - f(256, 16)).abs() < 1e-9);
         assert_eq!(full[0][2], full[0][1]);
         assert!(full[0].windows(2).all(|w| w[0] <= w[1]), "{:?}", full[0]);
+        // A longer cache timed cheaper is raised to the shorter one's cost.
+        let mut timed = corners;
+        timed[2][0] = Some(0.1);
+        let full = fill_untimed(&contexts, &rows, &timed);
+        assert_eq!(full[2][0], full[0][0]);
+        assert_eq!(full[1][0], full[0][0]);
     }
 
     #[test]
