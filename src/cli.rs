@@ -368,7 +368,10 @@ pub struct BenchRunArgs {
     /// Keep only these categories or groups (e.g. writing,qa or mt_bench).
     #[arg(long, value_delimiter = ',')]
     pub categories: Vec<String>,
-    /// Keep the first N questions of each category.
+    /// Pass over the first N questions of each category (run questions other than the first few).
+    #[arg(long, default_value_t = 0)]
+    pub skip_per_category: usize,
+    /// Keep the first N questions of each category (after those skipped).
     #[arg(long)]
     pub limit_per_category: Option<usize>,
     /// Output folder; a folder with records is resumed.
@@ -401,6 +404,7 @@ impl BenchRunArgs {
             mask_lambda: self.mask_lambda,
             max_new_tokens: self.max_new_tokens,
             categories: self.categories.clone(),
+            skip_per_category: self.skip_per_category,
             limit_per_category: self.limit_per_category,
             out: self.out.clone(),
             shard: self.shard,

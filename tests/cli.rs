@@ -628,15 +628,39 @@ fn the_cost_curve_is_saved_reused_and_replaced_when_corrupt() {
             r.stderr
         );
         assert_eq!(std::fs::read_to_string(&saved[0]).unwrap(), text, "{method}");
+        assert!(!r.stderr.contains("cost curve timed"), "{method}: {}", r.stderr);
     }
-    // A corrupt file is timed again and replaced.
+    // A corrupt file is timed again and replaced, and the run that paid for it says so.
     std::fs::write(&saved[0], "{ half a curve").unwrap();
     let r = with_cache(&["--model", m, "--max-new-tokens", "4", "w5 w6"]);
     assert!(r.status.success(), "{}", r.stderr);
+    assert!(r.stderr.contains("| cost curve timed in "), "{}", r.stderr);
     let again: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&saved[0]).unwrap()).unwrap();
     assert_eq!(again["curve"]["rows"][0], 1);
     assert_eq!(files().len(), 1, "no temporary file is left behind");
+    // A curve whose timing its budget cut short (a point without runs) is topped up by the next run,
+    // and the one after reads it as it is.
+    let full_runs = again["samples"]["points"][0][0].as_array().unwrap().len();
+    assert!(full_runs >= 3, "{again}");
+    let mut short = again.clone();
+    short["samples"]["points"][0][1] = serde_json::json!([]);
+    std::fs::write(&saved[0], short.to_string()).unwrap();
+    let r = with_cache(&["--model", m, "--max-new-tokens", "4", "w5 w6"]);
+    assert!(r.stderr.contains("| cost curve timed in "), "{}", r.stderr);
+    let topped: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&saved[0]).unwrap()).unwrap();
+    assert_eq!(
+        topped["samples"]["points"][0][1].as_array().unwrap().len(),
+        full_runs,
+        "{topped}"
+    );
+    assert_eq!(
+        topped["samples"]["points"][0][0],
+        again["samples"]["points"][0][0]
+    );
+    let r = with_cache(&["--model", m, "--max-new-tokens", "4", "w5 w6"]);
+    assert!(!r.stderr.contains("cost curve timed"), "{}", r.stderr);
     // --save keeps a model's curve: a random shape has none.
     let r = with_cache(&["cost", "--shape", "smollm2-135m", "--save"]);
     assert!(!r.status.success());

@@ -266,9 +266,31 @@ fn auto_builds_trees_when_the_curve_is_flat_and_decodes_plainly_when_it_is_steep
                     s.method,
                     blocks_line(&s.block_histogram)
                 );
-                // The steps that are not plain are the explorations: small blocks.
+                // The steps that are not plain are the explorations: small blocks ...
                 let big: usize = s.block_histogram.iter().skip(4).sum();
                 assert_eq!(big, 0, "{}: {}", s.method, blocks_line(&s.block_histogram));
+                // ... and what they cost beyond plain steps, priced by the curve (every row a plain
+                // step), stays under 2% of a 64-token answer: not one extra row.
+                let extra_rows: usize = s
+                    .block_histogram
+                    .iter()
+                    .enumerate()
+                    .map(|(rows, n)| rows.saturating_sub(1) * n)
+                    .sum();
+                assert!(
+                    (extra_rows as f64) < 0.02 * steps as f64,
+                    "{}: {extra_rows} rows beyond plain steps over {steps} steps: {}",
+                    s.method,
+                    blocks_line(&s.block_histogram)
+                );
+            }
+            // ESP's prefill carries its mask rows, lookahead's its window, only where they would pay.
+            use probespec::decode::method::MethodKind;
+            let probes = m.drafter(0).unwrap().begin(&model, &prompt).unwrap();
+            match m.kind() {
+                MethodKind::Esp => assert_eq!(probes, usize::from(is_flat), "{m:?}"),
+                MethodKind::Lookahead => assert_eq!(probes > 0, is_flat, "{m:?}: {probes}"),
+                _ => {}
             }
         }
     }

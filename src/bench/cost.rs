@@ -117,9 +117,9 @@ fn save(a: &CostOptions) -> Result<()> {
     }
     let s = Session::load(&a.model)?;
     let t = Instant::now();
-    let curve = CostCurve::measure(&s.model)?;
+    let (curve, samples) = CostCurve::measure(&s.model)?;
     let secs = t.elapsed().as_secs_f64();
-    s.cost_store.save(&curve)?;
+    s.cost_store.save(&curve, Some(&samples))?;
     let mut text = String::new();
     if a.json {
         let v = serde_json::json!({ "model": s.description, "path": s.cost_store.path,

@@ -192,7 +192,10 @@ fn parse_line(line: &str) -> std::result::Result<Question, String> {
 pub struct Selection {
     /// Categories or group names to keep (empty: all).
     pub categories: Vec<String>,
-    /// The first N questions of each category, in file order.
+    /// Questions of each category passed over first, in file order (to run questions other than the
+    /// first few, which earlier runs may have tuned on).
+    pub skip_per_category: usize,
+    /// The first N questions of each category after those skipped, in file order.
     pub limit_per_category: Option<usize>,
     /// (I, N): every N-th question of the selection, those at index % N == I.
     pub shard: Option<(usize, usize)>,
@@ -228,10 +231,15 @@ pub fn select(questions: &[Question], sel: &Selection) -> Result<Vec<Question>> 
             continue;
         }
         let n = per_category.entry(q.category.as_str()).or_default();
-        if sel.limit_per_category.is_some_and(|limit| *n >= limit) {
+        *n += 1;
+        let index = *n - 1;
+        if index < sel.skip_per_category
+            || sel
+                .limit_per_category
+                .is_some_and(|limit| index - sel.skip_per_category >= limit)
+        {
             continue;
         }
-        *n += 1;
         kept.push(q.clone());
     }
     if let Some((i, n)) = sel.shard {
@@ -357,6 +365,31 @@ mod tests {
                 ..Default::default()
             }),
             vec![1, 2, 4]
+        );
+        // Skipping the first question of each category leaves qa's second alone, and with a limit the
+        // count starts after the skipped ones.
+        assert_eq!(
+            ids(&Selection {
+                skip_per_category: 1,
+                ..Default::default()
+            }),
+            vec![3]
+        );
+        assert_eq!(
+            ids(&Selection {
+                skip_per_category: 1,
+                limit_per_category: Some(1),
+                ..Default::default()
+            }),
+            vec![3]
+        );
+        assert_eq!(
+            ids(&Selection {
+                skip_per_category: 1,
+                limit_per_category: Some(0),
+                ..Default::default()
+            }),
+            Vec::<i64>::new()
         );
         let s0 = Selection {
             shard: Some((0, 2)),

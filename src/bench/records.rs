@@ -222,6 +222,9 @@ pub struct Settings {
     /// FNV-1a 64 of the question file's bytes.
     pub questions_hash: String,
     pub categories: Vec<String>,
+    /// Questions of each category passed over (absent in older runs: 0).
+    #[serde(default)]
+    pub skip_per_category: usize,
     pub limit_per_category: Option<usize>,
     /// "I/N", or none for a whole run (and a merge).
     pub shard: Option<String>,

@@ -50,7 +50,9 @@ pub struct BenchOptions {
     pub max_new_tokens: usize,
     /// Keep only these categories or groups.
     pub categories: Vec<String>,
-    /// Keep the first N questions of each category.
+    /// Pass over the first N questions of each category.
+    pub skip_per_category: usize,
+    /// Keep the first N questions of each category (after those skipped).
     pub limit_per_category: Option<usize>,
     /// Output folder; a folder with records is resumed.
     pub out: PathBuf,
@@ -249,12 +251,13 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
     }
     let sel = Selection {
         categories: a.categories.clone(),
+        skip_per_category: a.skip_per_category,
         limit_per_category: a.limit_per_category,
         shard: a.shard,
     };
     let questions = select(&all, &sel)?;
     if questions.is_empty() {
-        bail!("the selection holds no questions (--categories, --limit-per-category and --shard leave none)");
+        bail!("the selection holds no questions (--categories, --skip-per-category, --limit-per-category and --shard leave none)");
     }
     let configs = configurations(a)?;
     if !configs.iter().any(|c| c.method.kind() == MethodKind::Ar) {
@@ -289,6 +292,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         questions_file,
         questions_hash,
         categories: a.categories.clone(),
+        skip_per_category: a.skip_per_category,
         limit_per_category: a.limit_per_category,
         shard: a.shard.map(|(i, n)| format!("{i}/{n}")),
     };

@@ -7,7 +7,10 @@
 //! divides those by the block's cost at the current cache length (the [`CostCurve`]) plus one vocabulary
 //! projection per expected accepted level, and keeps the best; plain decoding is one row and one token.
 //! After a run of plain steps it asks for one small exploring block, so acceptance keeps being observed and
-//! speculation can come back when the text becomes predictable.
+//! speculation can come back when the text becomes predictable. Exploring is paid from a budget: what the
+//! exploring blocks cost beyond plain steps (priced by the curve) stays within [`EXPLORE_SHARE`] of the
+//! steps' cost so far, plus [`WIN_BACK_SHARE`] of the time speculation has measurably saved, so a method
+//! that never pays costs at most about 1% over plain decoding, and one that does may look for more.
 //!
 //! How a drafter estimates acceptance is its own: ESP from the rank of the committed token among its
 //! mask's candidates, the chain and trie drafters from [`Rate`]s counted per source and depth.
@@ -35,9 +38,14 @@ fn size_class(rows: usize) -> usize {
 
 /// While plain decoding is chosen, after this many plain steps one small block explores ...
 pub const EXPLORE_EVERY: usize = 8;
-/// ... and after each exploration that does not bring speculation back, twice as many, up to this: on
-/// text where nothing pays, exploring costs a few percent at first and then well under one.
+/// ... and after each exploration that does not bring speculation back, twice as many, up to this ...
 pub const EXPLORE_EVERY_MAX: usize = 64;
+/// ... if the budget allows: the exploring blocks' cost beyond plain steps stays within this share of
+/// the cost of every step so far ...
+pub const EXPLORE_SHARE: f64 = 0.01;
+/// ... plus this share of what the speculative steps saved against plain decoding (their committed
+/// tokens at one plain step each, less their block's cost): exploring is paid from what it can win back.
+pub const WIN_BACK_SHARE: f64 = 0.25;
 
 /// Accepted levels whose logits the verifier's first projection usually holds already (it fetches the
 /// first-child path ahead, up to [`LOGIT_ROWS`](super::generate::LOGIT_ROWS) rows).
@@ -79,9 +87,26 @@ pub struct Chooser {
     /// The same counts per block size class ([`size_class`]), from 0.
     class_promised: [f64; SIZE_CLASSES],
     class_accepted: [f64; SIZE_CLASSES],
-    /// The extra tokens the offer chosen this step promised and its size class, until
-    /// [`Chooser::record`].
-    pending: Option<(f64, usize)>,
+    /// The offer chosen this step, until [`Chooser::record`].
+    pending: Option<Pending>,
+    /// Rows of the drafter's exploring block.
+    explore_rows: usize,
+    /// Curve seconds of every step chosen so far, of what the explorations cost beyond plain steps,
+    /// and of what the verified offers saved against plain decoding (negative when they lost).
+    spent: f64,
+    explored: f64,
+    saved: f64,
+}
+
+/// The offer chosen for a step, to learn from its verification.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    /// Drafted tokens it promised (the bonus token excluded).
+    promised: f64,
+    class: usize,
+    /// Its block's curve seconds and one plain step's, at the step's cache length.
+    seconds: f64,
+    plain_seconds: f64,
 }
 
 impl Chooser {
@@ -95,7 +120,32 @@ impl Chooser {
             class_promised: [0.0; SIZE_CLASSES],
             class_accepted: [0.0; SIZE_CLASSES],
             pending: None,
+            explore_rows: 2,
+            spent: 0.0,
+            explored: 0.0,
+            saved: 0.0,
         }
+    }
+
+    /// The rows of the drafter's exploring block ([`Choice::Explore`]), which the budget prices (2 when
+    /// not given: the root and one probe or draft).
+    pub fn exploring_with(mut self, rows: usize) -> Self {
+        self.explore_rows = rows.max(1);
+        self
+    }
+
+    /// Curve seconds the explorations cost beyond plain steps so far, and of every step chosen.
+    pub fn exploration_cost(&self) -> (f64, f64) {
+        (self.explored, self.spent)
+    }
+
+    /// Whether some offer beats plain decoding after `context` cached tokens (nothing is chosen or
+    /// counted): a drafter asks before paying for what only a speculative step would use.
+    pub fn would_speculate(&self, context: usize, offers: &[Offer]) -> bool {
+        let plain = self.rate(Offer { rows: 1, tokens: 1.0 }, context);
+        offers
+            .iter()
+            .any(|&o| self.rate(o, context) > plain * (1.0 + 1e-9))
     }
 
     /// Accepted over promised drafted tokens so far, over every block (1 before any evidence).
@@ -114,13 +164,14 @@ impl Chooser {
     /// What the step the last [`Chooser::choose`] decided committed (drafts accepted + the bonus token);
     /// sharpens [`Chooser::calibration`]. A step the loop did not verify as drafted teaches nothing.
     pub fn record(&mut self, step: &Step) {
-        if let Some((promised, class)) = self.pending.take() {
+        if let Some(p) = self.pending.take() {
             if !step.replaced {
                 let accepted = step.committed.len().saturating_sub(1) as f64;
-                self.promised += promised;
+                self.promised += p.promised;
                 self.accepted += accepted;
-                self.class_promised[class] += promised;
-                self.class_accepted[class] += accepted;
+                self.class_promised[p.class] += p.promised;
+                self.class_accepted[p.class] += accepted;
+                self.saved += (1.0 + accepted) * p.plain_seconds - p.seconds;
             }
         }
     }
@@ -140,10 +191,13 @@ impl Chooser {
     /// The best of `offers` after `context` cached tokens, or plain decoding when none beats it (ties
     /// go to plain decoding, and to the smaller block); after [`EXPLORE_EVERY`] plain steps in a row (twice
     /// as many after each exploration that changed nothing, up to [`EXPLORE_EVERY_MAX`]),
-    /// [`Choice::Explore`]. With nothing on offer the step is plain and nothing is counted.
+    /// [`Choice::Explore`], when the exploration budget allows it (else the next plain step asks again).
+    /// With nothing on offer the step is plain and no exploration is owed.
     pub fn choose(&mut self, context: usize, offers: &[Offer]) -> Choice {
         self.pending = None;
+        let plain_seconds = self.curve.cost(1, context);
         if offers.is_empty() {
+            self.spent += plain_seconds;
             return Choice::Plain;
         }
         let mut best = (self.rate(Offer { rows: 1, tokens: 1.0 }, context), None);
@@ -157,16 +211,29 @@ impl Chooser {
             Some(i) => {
                 self.plain_run = 0;
                 self.explore_after = EXPLORE_EVERY;
-                self.pending = Some(((offers[i].tokens - 1.0).max(0.0), size_class(offers[i].rows)));
+                let seconds = self.curve.cost(offers[i].rows, context);
+                self.spent += seconds;
+                self.pending = Some(Pending {
+                    promised: (offers[i].tokens - 1.0).max(0.0),
+                    class: size_class(offers[i].rows),
+                    seconds,
+                    plain_seconds,
+                });
                 Choice::Offer(i)
             }
             None => {
                 self.plain_run += 1;
-                if self.plain_run >= self.explore_after {
+                let extra = (self.curve.cost(self.explore_rows, context) - plain_seconds).max(0.0);
+                let budget =
+                    EXPLORE_SHARE * (self.spent + plain_seconds) + WIN_BACK_SHARE * self.saved.max(0.0);
+                if self.plain_run >= self.explore_after && self.explored + extra <= budget {
                     self.plain_run = 0;
                     self.explore_after = (2 * self.explore_after).min(EXPLORE_EVERY_MAX);
+                    self.explored += extra;
+                    self.spent += plain_seconds + extra;
                     Choice::Explore
                 } else {
+                    self.spent += plain_seconds;
                     Choice::Plain
                 }
             }
@@ -317,9 +384,12 @@ mod tests {
     fn flat_cost_takes_the_largest_block_and_steep_cost_decodes_plainly() {
         let mut flat = chooser(|_, r| 1.0 + 1e-4 * r as f64);
         assert_eq!(flat.choose(100, &chain(0.5, 10)), Choice::Offer(9));
-        let mut steep = chooser(|_, r| r as f64);
+        // Blocks of 3 rows and more cost their rows, the 2-row exploring block no more than one row:
+        // nothing on offer pays, and exploring is free.
+        let mut steep = chooser(|_, r| if r <= 2 { 1.0 } else { r as f64 });
+        let offers = prefix_offers(&[0.9, 0.81, 0.73, 0.66], |m| 2 + m);
         let picks: Vec<Choice> = (0..EXPLORE_EVERY + 2 * EXPLORE_EVERY + 4 * EXPLORE_EVERY)
-            .map(|_| steep.choose(100, &chain(0.9, 10)))
+            .map(|_| steep.choose(100, &offers))
             .collect();
         // Explorations after 8, then 16, then 32 plain steps.
         let explores: Vec<usize> = (0..picks.len())
@@ -335,6 +405,68 @@ mod tests {
             .all(|&c| matches!(c, Choice::Plain | Choice::Explore)));
         // Nothing on offer: plain, and no exploration is owed.
         assert_eq!(steep.choose(100, &[]), Choice::Plain);
+    }
+
+    /// Plain steps until `n` have been chosen; the indices of the explorations among them.
+    fn explorations(c: &mut Chooser, offers: &[Offer], n: usize) -> Vec<usize> {
+        (0..n)
+            .filter(|_| c.choose(100, offers) == Choice::Explore)
+            .collect()
+    }
+
+    #[test]
+    fn exploring_stays_within_its_budget() {
+        // Every row costs as much as the first: an exploring block of 2 rows costs a whole plain step
+        // more, and a 64-step answer cannot afford one (1% of 64 steps is 0.64 of a step).
+        let never_pays = [Offer { rows: 4, tokens: 1.3 }];
+        let mut c = chooser(|_, r| r as f64);
+        assert_eq!(explorations(&mut c, &never_pays, 64), Vec::<usize>::new());
+        // Over a long answer it explores, and never past the budget.
+        let seen = explorations(&mut c, &never_pays, 2000);
+        assert!(!seen.is_empty());
+        let (explored, spent) = c.exploration_cost();
+        assert!(explored <= EXPLORE_SHARE * spent + 1e-9, "{explored} of {spent}");
+        assert!(explored > 0.5 * EXPLORE_SHARE * spent, "{explored} of {spent}");
+        // A larger exploring block is priced as such: 4 rows cost 3 steps more, so it waits 3 times as
+        // long for its first exploration.
+        let first = |rows: usize| {
+            let mut c = chooser(|_, r| r as f64).exploring_with(rows);
+            explorations(&mut c, &never_pays, 1000)[0]
+        };
+        let (two, four) = (first(2), first(4));
+        assert!((98..=101).contains(&two), "{two}");
+        assert!((298..=301).contains(&four), "{four}");
+    }
+
+    #[test]
+    fn time_saved_pays_for_more_exploring() {
+        // Blocks of 2 rows cost 1.5 plain steps: the exploring block costs half a step more.
+        let curve = |_: usize, r: usize| if r == 1 { 1.0 } else { 1.0 + 0.5 * (r as f64 - 1.0) };
+        let step = Step {
+            accepted: &[1],
+            committed: &[5, 6],
+            probe_logits: &[],
+            replaced: false,
+        };
+        let pays = [Offer { rows: 2, tokens: 1.9 }];
+        let never_pays = [Offer { rows: 2, tokens: 1.2 }];
+        let mut lucky = chooser(curve);
+        // Ten 2-row steps that commit 2 tokens each save half a step each: 5 steps saved.
+        for _ in 0..10 {
+            assert_eq!(lucky.choose(100, &pays), Choice::Offer(0));
+            lucky.record(&step);
+        }
+        // A quarter of that pays for the first exploration as soon as 8 plain steps have passed;
+        // without the savings, 1% of 18 steps pays for none.
+        let mut unlucky = chooser(curve);
+        for _ in 0..10 {
+            unlucky.choose(100, &[]);
+        }
+        assert_eq!(explorations(&mut lucky, &never_pays, 8), [7]);
+        assert_eq!(explorations(&mut unlucky, &never_pays, 8), Vec::<usize>::new());
+        // What only speculation would use is not paid for when nothing beats plain decoding.
+        assert!(lucky.would_speculate(100, &pays));
+        assert!(!lucky.would_speculate(100, &never_pays));
     }
 
     #[test]

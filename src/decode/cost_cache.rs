@@ -13,7 +13,7 @@
 //! (tests, callers that know better), else the model's file when [`attach`] gave it one (the
 //! [`crate::session::Session`] does), else a fresh measurement kept in memory.
 
-use super::cost::CostCurve;
+use super::cost::{CostCurve, Samples, FIRST_TIMING_BUDGET};
 use crate::model::Transformer;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -130,6 +130,9 @@ struct CurveFile {
     /// Seconds since the Unix epoch.
     measured_at: u64,
     curve: CostCurve,
+    /// The runs behind the curve (absent in older files: complete).
+    #[serde(default)]
+    samples: Option<Samples>,
 }
 
 /// One model's curve file.
@@ -158,23 +161,25 @@ impl CurveStore {
         }
     }
 
-    /// The stored curve, when there is one of this key, fresh and well-formed.
-    pub fn load(&self) -> Option<CostCurve> {
+    /// The stored curve, when there is one of this key, fresh and well-formed, with its runs.
+    pub fn load(&self) -> Option<(CostCurve, Option<Samples>)> {
         let text = std::fs::read_to_string(&self.path).ok()?;
         let file: CurveFile = serde_json::from_str(&text).ok()?;
         let age = now().saturating_sub(file.measured_at);
         (file.key == self.key && age <= MAX_AGE_DAYS * 86_400 && file.curve.check().is_ok())
-            .then_some(file.curve)
+            .then_some((file.curve, file.samples))
     }
 
-    /// Writes `curve` (a temporary file renamed over the old one, so a reader never sees half a file).
-    pub fn save(&self, curve: &CostCurve) -> Result<()> {
+    /// Writes `curve` and its runs (a temporary file renamed over the old one, so a reader never sees
+    /// half a file).
+    pub fn save(&self, curve: &CostCurve, samples: Option<&Samples>) -> Result<()> {
         let dir = self.path.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
         let file = CurveFile {
             key: self.key.clone(),
             measured_at: now(),
             curve: curve.clone(),
+            samples: samples.cloned(),
         };
         let tmp = self
             .path
@@ -187,16 +192,21 @@ impl CurveStore {
         })
     }
 
-    /// The stored curve, or a new measurement of `model`, saved. A failed save is otherwise ignored: the
-    /// curve is still good for this process. On a terminal a line says where the pause came from.
-    pub fn load_or_measure(&self, model: &Transformer) -> Result<CostCurve> {
-        if let Some(c) = self.load() {
-            return Ok(c);
-        }
+    /// The stored curve, or a new measurement of `model` within [`FIRST_TIMING_BUDGET`] (continuing the
+    /// stored one when its budget left it short), saved, with the seconds the timing took. A failed save
+    /// is otherwise ignored: the curve is still good for this process. On a terminal a line says where
+    /// the pause came from.
+    pub fn load_or_measure(&self, model: &Transformer) -> Result<(CostCurve, Option<f64>)> {
+        let prior = match self.load() {
+            Some((c, None)) => return Ok((c, None)),
+            Some((c, Some(s))) if s.complete() => return Ok((c, None)),
+            Some((_, s)) => s,
+            None => None,
+        };
         let t = Instant::now();
-        let curve = CostCurve::measure(model)?;
+        let (curve, samples) = CostCurve::measure_within(model, Some(FIRST_TIMING_BUDGET), prior.as_ref())?;
         let secs = t.elapsed().as_secs_f64();
-        let saved = self.save(&curve);
+        let saved = self.save(&curve, Some(&samples));
         if std::io::stderr().is_terminal() {
             match saved {
                 Ok(()) => eprintln!(
@@ -208,7 +218,7 @@ impl CurveStore {
                 ),
             }
         }
-        Ok(curve)
+        Ok((curve, Some(secs)))
     }
 }
 
@@ -217,6 +227,8 @@ impl CurveStore {
 struct Entry {
     curve: Option<Arc<CostCurve>>,
     store: Option<CurveStore>,
+    /// Seconds the curve took to time in this process, until [`take_timing`] reports them.
+    timed: Option<f64>,
 }
 
 fn registry() -> &'static Mutex<HashMap<u64, Entry>> {
@@ -244,13 +256,25 @@ pub fn curve_for(model: &Transformer) -> Result<Arc<CostCurve>> {
     if let Some(c) = &entry.curve {
         return Ok(c.clone());
     }
-    let curve = match &entry.store {
+    let (curve, timed) = match &entry.store {
         Some(store) => store.load_or_measure(model)?,
-        None => CostCurve::measure(model)?,
+        None => {
+            let t = Instant::now();
+            let (curve, _) = CostCurve::measure_within(model, Some(FIRST_TIMING_BUDGET), None)?;
+            (curve, Some(t.elapsed().as_secs_f64()))
+        }
     };
     let curve = Arc::new(curve);
     entry.curve = Some(curve.clone());
+    entry.timed = timed;
     Ok(curve)
+}
+
+/// The seconds [`curve_for`] spent timing `model`'s curve since the last call, if it timed one: the
+/// decoding statistics of the generation that paid for it say so.
+pub fn take_timing(model: &Transformer) -> Option<f64> {
+    let mut r = registry().lock().unwrap_or_else(|e| e.into_inner());
+    r.get_mut(&model.id).and_then(|e| e.timed.take())
 }
 
 #[cfg(test)]
@@ -268,8 +292,18 @@ mod tests {
         assert!(store.load().is_none(), "nothing saved yet");
         // Binary fractions: they survive the trip through decimal text exactly.
         let curve = CostCurve::from_fn(|c, r| r as f64 / 1024.0 + c as f64 / 65536.0, 0.125);
-        store.save(&curve).unwrap();
-        assert_eq!(store.load(), Some(curve.clone()));
+        store.save(&curve, None).unwrap();
+        assert_eq!(store.load(), Some((curve.clone(), None)));
+        // The runs behind a curve come back with it.
+        let samples = Samples {
+            contexts: vec![64],
+            rows: vec![1, 2],
+            points: vec![vec![vec![0.5], vec![0.75, 1.0]]],
+            extra: vec![0.25],
+        };
+        assert!(!samples.complete());
+        store.save(&curve, Some(&samples)).unwrap();
+        assert_eq!(store.load(), Some((curve.clone(), Some(samples))));
         // No temporary file is left behind.
         assert_eq!(
             std::fs::read_dir(store.path.parent().unwrap()).unwrap().count(),
@@ -301,7 +335,7 @@ mod tests {
         assert!(store.load().is_none());
         // An unwritable place is an error of `save` alone.
         let blocked = CurveStore::in_dir(&store.path.join("sub"), key());
-        assert!(blocked.save(&curve).is_err());
+        assert!(blocked.save(&curve, None).is_err());
         assert!(blocked.load().is_none());
     }
 

@@ -130,6 +130,7 @@ pub fn generate_in(
     // Prefill: [prompt not yet cached | prefill probes], plain causal attention. At least the last prompt
     // token is fed: its logits give the first token.
     let probes = drafter.begin(model, prompt)?;
+    stats.cost_curve_timed_seconds = super::cost_cache::take_timing(model).unwrap_or(0.0);
     // The prefill's clock starts after the drafter's setup, which on a machine's first run includes
     // timing the cost curve for `--bc auto` (once, then cached): 0.7 s that the stats line showed as
     // prefill of a 37-token prompt.

@@ -17,6 +17,10 @@ pub struct DecodeStats {
     pub prefill_seconds: f64,
     /// Prompt tokens the prefill computed (fewer than the prompt when a conversation's cache held the rest).
     pub prefill_tokens: usize,
+    /// Seconds this generation's setup spent timing the forward cost curve for `--bc auto` (0 when the
+    /// curve came from the disk cache or an earlier generation): paid once per machine and model, on
+    /// top of the prefill and decode times.
+    pub cost_curve_timed_seconds: f64,
     pub decode_seconds: f64,
     pub tokens_per_second: f64,
     /// committed_histogram[n] = steps that committed n tokens.
@@ -47,6 +51,7 @@ impl DecodeStats {
             tau: 0.0,
             prefill_seconds: 0.0,
             prefill_tokens: 0,
+            cost_curve_timed_seconds: 0.0,
             decode_seconds: 0.0,
             tokens_per_second: 0.0,
             committed_histogram: Vec::new(),
@@ -132,8 +137,16 @@ impl DecodeStats {
 
     /// The one-line summary printed on stderr.
     pub fn summary_line(&self, prompt_tokens: usize) -> String {
+        let timed = if self.cost_curve_timed_seconds > 0.0 {
+            format!(
+                " | cost curve timed in {:.2}s (once per machine and model)",
+                self.cost_curve_timed_seconds
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "[{}] prompt {} tok, {} new tok | prefill {:.2}s | decode {:.2} tok/s | {} model calls, tau {:.3} | {} | overhead {:.1}%",
+            "[{}] prompt {} tok, {} new tok | prefill {:.2}s | decode {:.2} tok/s | {} model calls, tau {:.3} | {} | overhead {:.1}%{}",
             self.method,
             prompt_tokens,
             self.new_tokens,
@@ -142,7 +155,8 @@ impl DecodeStats {
             self.model_calls,
             self.tau,
             blocks_line(&self.block_histogram),
-            100.0 * self.overhead_fraction()
+            100.0 * self.overhead_fraction(),
+            timed
         )
     }
 }
@@ -193,6 +207,14 @@ mod tests {
             "plain 60%, rows 2-4 10%, 5-8 20%, 17-32 10%"
         );
         assert!(s.summary_line(5).contains("plain 60%"), "{}", s.summary_line(5));
+        assert!(!s.summary_line(5).contains("cost curve"));
+        s.cost_curve_timed_seconds = 0.8;
+        assert!(
+            s.summary_line(5)
+                .ends_with("| cost curve timed in 0.80s (once per machine and model)"),
+            "{}",
+            s.summary_line(5)
+        );
         assert_eq!(blocks_line(&[]), "no steps");
         assert_eq!(plain_share(&[0, 0, 3]), Some(0.0));
     }

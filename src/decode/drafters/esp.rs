@@ -17,6 +17,7 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use rand::{rngs::StdRng, SeedableRng};
 use rand_distr::{Distribution, Normal};
+use std::cell::RefCell;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MaskInit {
@@ -152,10 +153,16 @@ pub fn mask_candidates(probe_logits: &[Vec<f32>], n: usize) -> Vec<Candidates> {
 
 /// The mask-token side of a drafter (ESP's, and the hybrid's ESP source): the k mask vectors, their input
 /// rows, and the candidate lists their logits gave for the next tree.
+///
+/// The masks follow the committed tokens lazily: tokens are queued as they are committed and folded into
+/// the vectors, in order (the same numbers as one update per step), only when probe rows are next built,
+/// so a drafter that decodes plainly pays no embedding look-ups.
 pub struct MaskProbes {
     spec: Masks,
     seed: u64,
-    embedding: Option<MaskEmbedding>,
+    embedding: RefCell<Option<MaskEmbedding>>,
+    /// Committed tokens not yet folded into the mask vectors.
+    unfolded: RefCell<Vec<u32>>,
     /// Candidates for depth d + 1 of the next tree, from mask d + 1 of the last deepest accepted node.
     dists: Vec<Candidates>,
 }
@@ -166,7 +173,8 @@ impl MaskProbes {
         Ok(MaskProbes {
             spec,
             seed,
-            embedding: None,
+            embedding: RefCell::new(None),
+            unfolded: RefCell::new(Vec::new()),
             dists: Vec::new(),
         })
     }
@@ -179,29 +187,31 @@ impl MaskProbes {
     /// At the start of a generation: the masks from the prompt; returns the prefill's probe rows (k).
     pub fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
         let s = &self.spec;
-        self.embedding = Some(MaskEmbedding::new(
+        *self.embedding.get_mut() = Some(MaskEmbedding::new(
             model, prompt, s.count, s.init, s.lambda, self.seed,
         )?);
+        self.unfolded.get_mut().clear();
         self.dists.clear();
         Ok(s.count)
     }
 
+    /// The input rows of `probes`, after folding the queued tokens into the masks.
     pub fn probe_inputs(&self, model: &Transformer, probes: &[Probe]) -> Result<Tensor> {
-        self.embedding
-            .as_ref()
-            .expect("begin() runs before probe_inputs()")
-            .probe_inputs(model, probes)
+        let mut embedding = self.embedding.borrow_mut();
+        let embedding = embedding.as_mut().expect("begin() runs before probe_inputs()");
+        let mut unfolded = self.unfolded.borrow_mut();
+        if !unfolded.is_empty() {
+            embedding.update_with_tokens(model, &unfolded)?;
+            unfolded.clear();
+        }
+        embedding.probe_inputs(model, probes)
     }
 
-    /// After a step: the masks follow the committed tokens, and the probes' logits give the next
+    /// After a step: the committed tokens are queued for the masks, and the probes' logits give the next
     /// candidate lists, `n` tokens each.
-    pub fn observe(&mut self, model: &Transformer, step: &Step, n: usize) -> Result<()> {
-        self.embedding
-            .as_mut()
-            .expect("begin() runs before observe()")
-            .update_with_tokens(model, step.committed)?;
+    pub fn observe(&mut self, step: &Step, n: usize) {
+        self.unfolded.get_mut().extend_from_slice(step.committed);
         self.dists = mask_candidates(step.probe_logits, n);
-        Ok(())
     }
 
     /// The candidate lists for the next tree (empty when the last step had no probes).
@@ -318,10 +328,20 @@ impl Drafter for Esp {
     fn begin(&mut self, model: &Transformer, prompt: &[u32]) -> Result<usize> {
         let k = self.masks.begin(model, prompt)?;
         if self.tree == TreeShape::Auto {
-            self.auto = Some(EspAuto {
-                chooser: Chooser::new(curve_for(model)?),
+            let auto = EspAuto {
+                chooser: Chooser::new(curve_for(model)?).exploring_with(1 + k),
                 ranks: RankHistogram::default(),
-            });
+            };
+            // The prefill's mask rows only serve a first tree: where none would pay at the prior's
+            // acceptance, the first step decodes plainly and the masks wait for an exploration.
+            let room = model.config.max_position_embeddings.saturating_sub(prompt.len());
+            let pays = auto
+                .chooser
+                .would_speculate(prompt.len(), &auto.ranks.offers(k, room));
+            self.auto = Some(auto);
+            if !pays {
+                return Ok(0);
+            }
         }
         Ok(k)
     }
@@ -358,7 +378,7 @@ impl Drafter for Esp {
         self.masks.probe_inputs(model, probes)
     }
 
-    fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
+    fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         if let Some(auto) = self.auto.as_mut() {
             auto.chooser.record(step);
         }
@@ -374,7 +394,8 @@ impl Drafter for Esp {
             auto.ranks.observe(rank);
         }
         let n = self.candidates_needed();
-        self.masks.observe(model, step, n)
+        self.masks.observe(step, n);
+        Ok(())
     }
 }
 

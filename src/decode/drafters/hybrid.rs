@@ -325,7 +325,7 @@ impl Drafter for Hybrid {
         self.esp_mass = 1.0;
         self.auto = match self.cfg.nodes {
             Some(_) => None,
-            None => Some(Chooser::new(curve_for(model)?)),
+            None => Some(Chooser::new(curve_for(model)?).exploring_with(self.masks.count() + 1)),
         };
         self.masks.begin(model, prompt)
     }
@@ -391,7 +391,7 @@ impl Drafter for Hybrid {
         self.masks.probe_inputs(model, probes)
     }
 
-    fn observe(&mut self, model: &Transformer, step: &Step) -> Result<()> {
+    fn observe(&mut self, _: &Transformer, step: &Step) -> Result<()> {
         if let Some(chooser) = &mut self.auto {
             chooser.record(step);
         }
@@ -402,7 +402,8 @@ impl Drafter for Hybrid {
             }
         }
         let n = 2 * self.max_nodes() + 2;
-        self.masks.observe(model, step, n)
+        self.masks.observe(step, n);
+        Ok(())
     }
 }
 

@@ -379,10 +379,30 @@ impl Drafter for Lookahead {
         self.levels.clear();
         self.auto = match self.cfg.window {
             Some(_) => None,
-            None => Some(LookaheadAuto::new(Chooser::new(curve_for(model)?))),
+            // The exploring block: the root, one window row and one verification node.
+            None => Some(LookaheadAuto::new(
+                Chooser::new(curve_for(model)?).exploring_with(3),
+            )),
         };
-        // The prefill's root is the last prompt token.
-        let w = self.cfg.window.unwrap_or(DEFAULT_WINDOW);
+        // The prefill's root is the last prompt token. Under `--bc auto` its window is the one a step
+        // would rent at the prior's worth per row (none where rows cost what they bring, as on a CPU:
+        // seven rows are a few percent of a short prompt's prefill); the exploring blocks open one later.
+        let w = match (&self.auto, self.cfg.window) {
+            (_, Some(w)) => w,
+            (None, None) => DEFAULT_WINDOW,
+            (Some(auto), None) => {
+                let offer = |w: usize| Offer {
+                    rows: 1 + w,
+                    tokens: 1.0 + auto.window_tokens(w),
+                };
+                let rate = |w: usize| auto.chooser.rate(offer(w), prompt.len());
+                AUTO_WINDOWS
+                    .into_iter()
+                    .filter(|&w| w > 0 && auto.chooser.would_speculate(prompt.len(), &[offer(w)]))
+                    .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
+                    .unwrap_or(0)
+            }
+        };
         self.fed = self.window_for(prompt.len() - 1, w);
         Ok(w)
     }
