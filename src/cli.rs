@@ -45,6 +45,9 @@ enum Command {
     Bench(BenchArgs),
     /// Forward cost curve: one block of R rows after C cached tokens, for a model or a named shape.
     Cost(CostArgs),
+    /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
+    #[command(allow_negative_numbers = true)]
+    Serve(crate::serve::ServeArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -484,6 +487,7 @@ pub fn main() -> i32 {
         Some(Command::Generate(args)) => run_generate(&args),
         Some(Command::Bench(args)) => run_bench(&args),
         Some(Command::Cost(args)) => crate::bench::cost::run(&args.options()),
+        Some(Command::Serve(args)) => crate::serve::run(&args),
         None => run_generate(&cli.generate),
     };
     match result {
