@@ -149,7 +149,7 @@ fn chat_answers_are_the_librarys_tokens() {
 /// The server's answer is the one-shot CLI's, flags for fields: system message, length, sampling, method.
 #[test]
 fn chat_answers_are_the_clis() {
-    let (dir, l) = tiny();
+    let (dir, _) = tiny();
     let model = dir.path().to_str().unwrap();
     let s = Server::start(&["--model", model]);
     for (temperature, seed, method) in [("0", "1", "hybrid"), ("0.8", "42", "pld"), ("1.2", "5", "ar")] {
@@ -191,7 +191,6 @@ fn chat_answers_are_the_clis() {
             a["usage"]["prompt_tokens"],
             cli["prompt_token_ids"].as_array().unwrap().len()
         );
-        let _ = &l;
     }
     // /v1/completions is the CLI without the chat template.
     let cli = common::binary::probespec(&[
