@@ -1,10 +1,15 @@
 # The two commands of the README: `make demo` runs the main job on the default model, `make test` the tests.
 CARGO ?= cargo
 
-.PHONY: model build demo test lint bench check-metal
+.PHONY: model openai build demo test lint bench check-metal
 
 model:
 	./scripts/fetch-model.sh
+
+# The official `openai` Python client, which tests/serve_openai.rs drives against `probespec serve`.
+openai:
+	@python3 -c 'import openai' 2>/dev/null || python3 -m pip install --quiet openai || \
+		{ echo "cannot install the openai Python package: run 'python3 -m pip install openai'" >&2; exit 1; }
 
 build:
 	$(CARGO) build --release
@@ -12,7 +17,7 @@ build:
 demo: model
 	$(CARGO) run --release --quiet -- "What is the capital of Germany?"
 
-test: model
+test: model openai
 	$(CARGO) test --release
 
 lint:

@@ -6,6 +6,9 @@
 //! re-encoding the previous answer's text gives other tokens than were generated. With the row-invariant
 //! CPU kernels a reused cache computes the same numbers as a fresh prefill, so a turn's reply is the
 //! reply a one-shot call on the rendered conversation gives.
+//!
+//! The cache part, [`PrefixCache`], is shared with the server, whose clients send the whole conversation
+//! with every request.
 
 use crate::decode::generate::{generate_in, Drafter, GenerateParams, Generation};
 use crate::model::{KvCache, Transformer};
@@ -17,9 +20,62 @@ pub struct Conversation<'a> {
     tokenizer: &'a TextTokenizer,
     system: Option<String>,
     messages: Vec<Message>,
+    cache: PrefixCache,
+}
+
+/// A KV cache and the tokens it holds: each generation prefills only what its prompt does not share with
+/// the previous prompt and answer.
+pub struct PrefixCache {
     cache: KvCache,
     /// The tokens whose keys and values `cache` holds, in order.
     cached: Vec<u32>,
+}
+
+impl PrefixCache {
+    pub fn new(model: &Transformer) -> Result<Self> {
+        Ok(PrefixCache {
+            cache: model.new_cache(0)?,
+            cached: Vec::new(),
+        })
+    }
+
+    /// Forgets what the cache holds.
+    pub fn clear(&mut self) {
+        self.cached.clear();
+        self.cache.truncate(0);
+    }
+
+    /// Generates from `prompt`, reusing the longest prefix of it already in the cache; returns the
+    /// generation and how many prompt tokens came from the cache. After a failure the cache keeps only
+    /// what is known to be valid.
+    pub fn generate(
+        &mut self,
+        model: &Transformer,
+        prompt: &[u32],
+        drafter: &mut dyn Drafter,
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32) -> Result<()>,
+    ) -> Result<(Generation, usize)> {
+        if prompt.is_empty() {
+            bail!("the prompt is empty");
+        }
+        let reused = common_prefix(&self.cached, prompt).min(prompt.len() - 1);
+        self.cache.truncate(reused);
+        self.cached.truncate(reused);
+        let generation = match generate_in(model, &mut self.cache, prompt, drafter, params, on_token) {
+            Ok(g) => g,
+            Err(e) => {
+                // The cache may hold rows of the failed generation: keep only what is known to be valid.
+                self.cache.truncate(reused);
+                return Err(e);
+            }
+        };
+        let mut history = prompt.to_vec();
+        history.extend_from_slice(&generation.tokens);
+        history.truncate(self.cache.len());
+        self.cached = history;
+        Ok((generation, reused))
+    }
 }
 
 /// One finished turn.
@@ -42,16 +98,14 @@ impl<'a> Conversation<'a> {
             tokenizer,
             system,
             messages: Vec::new(),
-            cache: model.new_cache(0)?,
-            cached: Vec::new(),
+            cache: PrefixCache::new(model)?,
         })
     }
 
     /// Forgets the messages and the cache: the next turn starts a new conversation.
     pub fn reset(&mut self) {
         self.messages.clear();
-        self.cached.clear();
-        self.cache.truncate(0);
+        self.cache.clear();
     }
 
     /// Messages so far (the system message, if any, is not among them).
@@ -85,21 +139,9 @@ impl<'a> Conversation<'a> {
     ) -> Result<Turn> {
         crate::session::check_prompt_text(user)?;
         let prompt = self.render(user)?;
-        let reused = common_prefix(&self.cached, &prompt).min(prompt.len() - 1);
-        self.cache.truncate(reused);
-        self.cached.truncate(reused);
-        let generation = match generate_in(self.model, &mut self.cache, &prompt, drafter, params, on_token) {
-            Ok(g) => g,
-            Err(e) => {
-                // The cache may hold rows of the failed turn: keep only what is known to be valid.
-                self.cache.truncate(reused);
-                return Err(e);
-            }
-        };
-        let mut history = prompt.clone();
-        history.extend_from_slice(&generation.tokens);
-        history.truncate(self.cache.len());
-        self.cached = history;
+        let (generation, reused) = self
+            .cache
+            .generate(self.model, &prompt, drafter, params, on_token)?;
         let text = self.tokenizer.decode(&generation.tokens)?.trim().to_string();
         self.messages.push(Message::new("user", user));
         self.messages.push(Message::new("assistant", text.clone()));

@@ -47,6 +47,9 @@ enum Command {
     Cost(CostArgs),
     /// Write a GGUF of random weights in a published shape and llama-quantize's mix (speed tests only).
     ShapeGguf(ShapeGgufArgs),
+    /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
+    #[command(allow_negative_numbers = true)]
+    Serve(crate::serve::ServeArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -519,6 +522,7 @@ pub fn main() -> i32 {
                 seed: a.seed,
             })
         }
+        Some(Command::Serve(args)) => crate::serve::run(&args),
         None => run_generate(&cli.generate),
     };
     match result {

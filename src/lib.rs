@@ -16,6 +16,8 @@ pub mod decode;
 pub mod kernels;
 /// Checkpoints in (HF folders, GGUF, hub ids); the transformer forward: positions + mask + KV cache in, logits out.
 pub mod model;
+/// `probespec serve`: an OpenAI-compatible HTTP server over one loaded model (a front end, as `cli`).
+pub mod serve;
 /// A loaded model ready to answer: device, dtype, model, tokenizer, prompt encoding.
 pub mod session;
 /// Text to token ids and back, chat templates, streaming detokenisation.

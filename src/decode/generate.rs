@@ -82,7 +82,23 @@ pub enum FinishReason {
     MaxNewTokens,
     /// The context window is full.
     ContextWindow,
+    /// The `on_token` callback returned [`Halt`] (a stop string was seen, the client went away).
+    Halted,
 }
+
+/// The error an `on_token` callback returns to end the generation after the token it was given, as if a
+/// stop token had come: the generation returns normally with [`FinishReason::Halted`], its statistics,
+/// and a cache that holds the tokens so far.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Halt;
+
+impl std::fmt::Display for Halt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("generation halted by its caller")
+    }
+}
+
+impl std::error::Error for Halt {}
 
 pub struct Generation {
     pub tokens: Vec<u32>,
@@ -90,7 +106,8 @@ pub struct Generation {
     pub finish_reason: FinishReason,
 }
 
-/// Runs one generation. `on_token` sees every committed token as soon as its step ends (streaming).
+/// Runs one generation. `on_token` sees every committed token as soon as its step ends (streaming); it
+/// may end the generation there by returning [`Halt`].
 pub fn generate(
     model: &Transformer,
     prompt: &[u32],
@@ -183,8 +200,14 @@ pub fn generate_in(
         for (i, &t) in pending.iter().enumerate() {
             generated.push(t);
             history.push(t);
-            on_token(t)?;
-            let reason = if params.stop_tokens.contains(&t) {
+            let halted = match on_token(t) {
+                Ok(()) => false,
+                Err(e) if e.is::<Halt>() => true,
+                Err(e) => return Err(e),
+            };
+            let reason = if halted {
+                FinishReason::Halted
+            } else if params.stop_tokens.contains(&t) {
                 FinishReason::StopToken
             } else if generated.len() >= params.max_new_tokens {
                 FinishReason::MaxNewTokens

@@ -10,6 +10,7 @@
 
 pub mod binary;
 pub mod decoding;
+pub mod server;
 
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::{Device, Tensor};

@@ -1,0 +1,157 @@
+//! The HTTP surface: the routes, the API key check, the body limit, and the handlers that turn a body
+//! into a queued job and the job's events into an answer.
+
+use super::api::{self, ChatRequest, CompletionRequest, Defaults};
+use super::error::ApiError;
+use super::queue::Queue;
+use super::respond::{self, Endpoint, Envelope};
+use crate::session::Session;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use std::sync::Arc;
+use subtle::ConstantTimeEq;
+
+/// What every handler shares.
+pub struct AppState {
+    pub session: Arc<Session>,
+    pub queue: Queue,
+    pub defaults: Defaults,
+    /// The name answers and /v1/models give the model.
+    pub model_id: String,
+    pub api_key: Option<String>,
+    /// When the server started (the model's `created`).
+    pub started: u64,
+}
+
+type Shared = Arc<AppState>;
+
+/// The application: /v1/ behind the key check, /health open (for probes), OpenAI-shaped 404 and 405.
+pub fn router(state: Shared, max_body: usize) -> Router {
+    let v1 = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route_layer(middleware::from_fn_with_state(state.clone(), require_key));
+    Router::new()
+        .route("/health", get(health))
+        .merge(v1)
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+/// Whether `given` is `Authorization: Bearer KEY`, compared in constant time.
+fn key_matches(given: Option<&[u8]>, key: &str) -> bool {
+    let Some(given) = given else { return false };
+    let Some(token) = given.strip_prefix(b"Bearer ") else {
+        return false;
+    };
+    token.ct_eq(key.as_bytes()).into()
+}
+
+async fn require_key(State(state): State<Shared>, request: Request, next: Next) -> Response {
+    if let Some(key) = &state.api_key {
+        let given = request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
+        if !key_matches(given, key) {
+            return ApiError::unauthorized().into_response();
+        }
+    }
+    next.run(request).await
+}
+
+async fn health(State(state): State<Shared>) -> Response {
+    let mut v = state.queue.counters.snapshot();
+    v["status"] = "ok".into();
+    v["model"] = state.model_id.clone().into();
+    Json(v).into_response()
+}
+
+async fn models(State(state): State<Shared>) -> Response {
+    Json(serde_json::json!({
+        "object": "list",
+        "data": [{
+            "id": state.model_id,
+            "object": "model",
+            "created": state.started,
+            "owned_by": "probespec",
+        }],
+    }))
+    .into_response()
+}
+
+/// The body, or an OpenAI-shaped error (413 past the limit).
+fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    b.map_err(|r| {
+        ApiError::with_status(
+            r.status(),
+            format!("cannot read the request body: {}", r.body_text()),
+        )
+    })
+}
+
+async fn chat(State(state): State<Shared>, b: Result<Bytes, BytesRejection>) -> Response {
+    let run = || -> Result<_, ApiError> {
+        let bytes = body(b)?;
+        let req: ChatRequest = api::parse_body(&bytes)?;
+        api::chat_job(&req, &state.session, &state.defaults)
+    };
+    answer(&state, Endpoint::Chat, run()).await
+}
+
+async fn completions(State(state): State<Shared>, b: Result<Bytes, BytesRejection>) -> Response {
+    let run = || -> Result<_, ApiError> {
+        let bytes = body(b)?;
+        let req: CompletionRequest = api::parse_body(&bytes)?;
+        api::completion_job(&req, &state.session, &state.defaults)
+    };
+    answer(&state, Endpoint::Completion, run()).await
+}
+
+/// Queues a parsed request and answers it, streamed or whole.
+async fn answer(state: &AppState, endpoint: Endpoint, parsed: Result<api::Parsed, ApiError>) -> Response {
+    let parsed = match parsed {
+        Ok(p) => p,
+        Err(e) => return e.into_response(),
+    };
+    let events = match state.queue.submit(parsed.spec) {
+        Ok(rx) => rx,
+        Err(e) => return e.into_response(),
+    };
+    let envelope = Envelope::new(endpoint, &state.model_id);
+    if parsed.stream {
+        respond::stream(envelope, events)
+    } else {
+        respond::collect(&envelope, events).await
+    }
+}
+
+async fn not_found(request: Request) -> Response {
+    ApiError::not_found(format!("no route {} {}", request.method(), request.uri().path())).into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    ApiError::method_not_allowed().into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::key_matches;
+
+    #[test]
+    fn the_key_must_be_a_bearer_token_equal_to_the_key() {
+        assert!(key_matches(Some(b"Bearer sk-1"), "sk-1"));
+        assert!(!key_matches(Some(b"Bearer sk-2"), "sk-1"));
+        assert!(!key_matches(Some(b"Bearer sk-1x"), "sk-1"));
+        assert!(!key_matches(Some(b"Bearer sk-"), "sk-1"));
+        assert!(!key_matches(Some(b"sk-1"), "sk-1"));
+        assert!(!key_matches(Some(b"Basic sk-1"), "sk-1"));
+        assert!(!key_matches(None, "sk-1"));
+    }
+}
