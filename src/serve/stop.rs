@@ -28,7 +28,15 @@ impl StopMatcher {
     /// Adds a piece of the answer's text.
     pub fn push(&mut self, piece: &str) -> Passed {
         self.held.push_str(piece);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
+        // The stop string that is complete first wins (the longer one where two end together): text
+        // cut one character at a time would have stopped there, so the answer does not depend on how
+        // the text was split into pieces.
+        let first_complete = self
+            .stops
+            .iter()
+            .filter_map(|s| self.held.find(s.as_str()).map(|at| (at + s.len(), at)))
+            .min();
+        if let Some((_, at)) = first_complete {
             self.held.truncate(at);
             return Passed {
                 text: std::mem::take(&mut self.held),
@@ -102,6 +110,24 @@ mod tests {
     fn the_earliest_of_several_stop_strings_wins() {
         assert_eq!(run(&["zz", "b"], &["a b zz"]), ("a ".into(), true));
         assert_eq!(run(&["bc", "abcd"], &["xab", "cd"]), ("xa".into(), true));
+        // Two that end on the same character: the longer cuts more.
+        assert_eq!(run(&["bc", "abc"], &["xabc"]), ("x".into(), true));
+    }
+
+    #[test]
+    fn the_answer_does_not_depend_on_how_the_text_is_split() {
+        let stops = ["bc", "abcd", "d e", "é!"];
+        let texts = ["xxabcde", "zabd e", "abé!bc", "no stop here", "aabcabcd"];
+        for text in texts {
+            let chars: Vec<String> = text.chars().map(String::from).collect();
+            let one_by_one: Vec<&str> = chars.iter().map(String::as_str).collect();
+            let expected = run(&stops, &one_by_one);
+            for cut in text.char_indices().map(|(i, _)| i) {
+                let (head, tail) = text.split_at(cut);
+                assert_eq!(run(&stops, &[head, tail]), expected, "{text:?} cut at {cut}");
+            }
+            assert_eq!(run(&stops, &[text]), expected, "{text:?} whole");
+        }
     }
 
     #[test]
