@@ -141,7 +141,8 @@ impl CostCurve {
             .collect();
         let seconds = fill_untimed(&contexts, &rows, &timed);
         let h = model.embed(&[0])?;
-        while samples.extra.len() < REPEATS && !(over(&start) && !samples.extra.is_empty()) {
+        // At least one run of the vocabulary projection, more while the budget lasts.
+        while samples.extra.len() < REPEATS && (samples.extra.is_empty() || !over(&start)) {
             model.device.synchronize()?;
             let t = Instant::now();
             model.logits(&h, &[0])?.to_vec2::<f32>()?;
@@ -305,8 +306,9 @@ pub fn fill_untimed(contexts: &[usize], rows: &[usize], timed: &[Vec<Option<f64>
     // Attention only adds work as the cache grows: a longer cache timed cheaper is noise too.
     let mut lines: Vec<Vec<f64>> = lines.into_iter().map(Option::unwrap).collect();
     for c in 1..lines.len() {
-        for r in 0..rows.len() {
-            lines[c][r] = lines[c][r].max(lines[c - 1][r]);
+        let (shorter, longer) = lines.split_at_mut(c);
+        for (l, s) in longer[0].iter_mut().zip(&shorter[c - 1]) {
+            *l = l.max(*s);
         }
     }
     lines
