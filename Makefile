@@ -1,7 +1,7 @@
 # The two commands of the README: `make demo` runs the main job on the default model, `make test` the tests.
 CARGO ?= cargo
 
-.PHONY: model openai build demo test lint bench check-metal
+.PHONY: model openai build demo test lint bench check-metal gpu-check-cpu
 
 model:
 	./scripts/fetch-model.sh
@@ -29,3 +29,7 @@ bench: model
 
 check-metal:
 	./scripts/check-metal.sh
+
+# scripts/gpu-check.sh's steps on the CPU through a GPU device's code path (10-20 minutes on 2 cores).
+gpu-check-cpu: model
+	./scripts/gpu-check.sh --device cpu

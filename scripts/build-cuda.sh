@@ -5,8 +5,9 @@
 # the driver's libcuda.so.1 and libcublas/libcublasLt/libcudart .so.13, libcurand .so.10 (LD_LIBRARY_PATH).
 #
 #   scripts/build-cuda.sh            the binary only
-#   scripts/build-cuda.sh --bundle   also the CUDA build of the lossless tests, both stripped and packed
-#                                    into .device/bundle.tar.xz for scripts/gpu-check.sh on a GPU machine
+#   scripts/build-cuda.sh --bundle   also the CUDA build of the lossless and half-precision tests, all
+#                                    stripped and packed into .device/bundle.tar.xz for
+#                                    scripts/gpu-check.sh on a GPU machine
 set -euo pipefail
 cd "$(dirname "$0")/.."
 toolkit=${CUDA_WHEELS_SCRIPT:-scripts/cuda-toolkit-from-wheels.sh}
@@ -18,19 +19,22 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target-cuda}
 cargo build --release --features cuda
 [ "${1:-}" = "--bundle" ] || exit 0
 
-# The lossless test binary (tiny models written by the test itself; the device comes from
+# The test binaries the check runs (tiny models written by the tests themselves; the device comes from
 # PROBESPEC_TEST_DEVICE), located through cargo's JSON messages.
-test_bin=$(cargo test --release --features cuda --test lossless --no-run --message-format=json 2>/dev/null |
+tests=$(cargo test --release --features cuda --test lossless --test half --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "lossless":
-        print(m["executable"])')
-[ -x "$test_bin" ] || { echo "lossless test binary not found" >&2; exit 1; }
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])')
 stage=$(mktemp -d)
 strip -o "$stage/probespec" "$CARGO_TARGET_DIR/release/probespec"
-strip -o "$stage/lossless" "$test_bin"
+for name in lossless half; do
+  path=$(awk -v n="$name" '$1 == n { print $2 }' <<<"$tests")
+  [ -x "$path" ] || { echo "$name test binary not found" >&2; exit 1; }
+  strip -o "$stage/$name" "$path"
+done
 mkdir -p .device
-tar -C "$stage" -cJf .device/bundle.tar.xz probespec lossless
+tar -C "$stage" -cJf .device/bundle.tar.xz probespec lossless half
 rm -r "$stage"
 ls -l .device/bundle.tar.xz

@@ -102,16 +102,22 @@ impl Session {
             ModelSource::HfDir(p) | ModelSource::Gguf(p) => p.display().to_string(),
             ModelSource::Hub(id) => id.clone(),
         };
-        let activations = match (opts.dequantize, opts.activations) {
+        let mut activations = match (opts.dequantize, opts.activations) {
             (true, _) => "dequantized",
             (false, Activations::Q8) => "q8",
             (false, Activations::F32) => "f32",
-        };
+        }
+        .to_string();
+        // Ops other than the device's default (`PROBESPEC_OPS`) cost differently: a curve of their own.
+        let ops = loaded.model.ops();
+        if ops != crate::model::Ops::default_for(&loaded.model.device, dtype) {
+            activations = format!("{activations}-{}", ops.name());
+        }
         let cost_store = CurveStore::new(CurveKey::new(
             &model_id,
             opts.device.name(),
             dtype.as_str(),
-            activations,
+            &activations,
         ));
         cost_cache::attach(&loaded.model, cost_store.clone());
         Ok(Session {

@@ -8,7 +8,7 @@ mod common;
 
 use common::decoding::{
     all_configs, assert_acceptance_exercised, check_all, esp, esp_auto, esp_configs, greedy, hybrid,
-    lookahead, one_token_prompts, peer_configs, pld, prompts, run,
+    logits_in_blocks, lookahead, one_token_prompts, peer_configs, pld, prompts, run, same_bits,
 };
 use common::TinySpec;
 use probespec::decode::generate::{FinishReason, GenerateParams};
@@ -201,44 +201,6 @@ fn load_gguf(
     load_model(&ModelSource::Gguf(p.to_path_buf()), &opts)
         .unwrap()
         .model
-}
-
-/// Logits of every row of `ids`, fed to the model in consecutive blocks of the given sizes (each block
-/// after the cache of the previous ones).
-fn logits_in_blocks(m: &Transformer, ids: &[u32], blocks: &[usize]) -> Vec<f32> {
-    use probespec::model::BlockMask;
-    let mut cache = m.new_cache(ids.len()).unwrap();
-    let (mut out, mut at) = (Vec::new(), 0);
-    for &b in blocks.iter().cycle() {
-        if at == ids.len() {
-            break;
-        }
-        let b = b.min(ids.len() - at);
-        let positions: Vec<u32> = (at as u32..(at + b) as u32).collect();
-        let h = m
-            .forward(
-                &m.embed(&ids[at..at + b]).unwrap(),
-                &positions,
-                &BlockMask::Causal,
-                &mut cache,
-            )
-            .unwrap();
-        let rows: Vec<usize> = (0..b).collect();
-        out.extend(
-            m.logits(&h, &rows)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1::<f32>()
-                .unwrap(),
-        );
-        at += b;
-    }
-    out
-}
-
-fn same_bits(a: &[f32], b: &[f32]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// A GGUF in llama.cpp's block formats loaded with f32 activations runs through the f32 block kernel:

@@ -167,7 +167,8 @@ pub fn generate_in(
     let mut x = model.embed(&prompt[reused..])?;
     if probes > 0 {
         let p: Vec<Probe> = (1..=probes).map(|offset| Probe { owner: 0, offset }).collect();
-        x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &p)?], 0)?;
+        // Probe vectors are f32; the model's input rows are in its dtype.
+        x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &p)?.to_dtype(x.dtype())?], 0)?;
     }
     let positions: Vec<u32> = (reused as u32..(prompt.len() + probes) as u32).collect();
     let hidden = model.forward(&x, &positions, &BlockMask::Causal, cache)?;
@@ -234,7 +235,8 @@ pub fn generate_in(
         }
         let mut x = model.embed(draft.tree.tokens())?;
         if !draft.probes.is_empty() {
-            x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &draft.probes)?], 0)?;
+            let probes = drafter.probe_inputs(model, &draft.probes)?.to_dtype(x.dtype())?;
+            x = Tensor::cat(&[&x, &probes], 0)?;
         }
         let positions: Vec<u32> = layout.rel_positions.iter().map(|&r| p0 as u32 + r).collect();
         let is_chain =

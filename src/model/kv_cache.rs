@@ -136,10 +136,13 @@ impl KvCache {
     /// Writes a block's keys and values (`[1, rows, kv_heads, head_dim]`) after the committed rows and returns
     /// a view over the values the block attends to (its keys: [`KvCache::keys`]). `len` advances only in
     /// [`KvCache::advance`], once all layers have written.
+    /// Keys and values of another dtype are converted to the cache's.
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
         let len = self.len;
+        let dtype = self.values[layer].dtype();
+        let (k, v) = (&k.to_dtype(dtype)?, &v.to_dtype(dtype)?);
         match &mut self.keys {
             KeyStore::Rows(keys) => keys[layer].slice_set(k, 1, len)?,
             KeyStore::Transposed { layers, width } => {

@@ -6,6 +6,7 @@ use candle_core::{DType, Module, Tensor};
 use std::sync::Arc;
 
 use crate::kernels::{BlockMatrix, PackedMatrix};
+use std::sync::OnceLock;
 
 pub enum Weight {
     Dense(Tensor),
@@ -26,6 +27,9 @@ pub struct Linear {
     /// Output-column permutation applied after the product: GGUF stores LLaMA's q/k rows interleaved for
     /// llama.cpp's RoPE; quantised rows cannot be reordered cheaply at load, so the outputs are.
     out_perm: Option<Tensor>,
+    /// f16 / bf16 dense weights as f32 (the same values), made on the first row-invariant product: what
+    /// the f32 kernel reads.
+    upcast: OnceLock<Tensor>,
 }
 
 impl Linear {
@@ -34,6 +38,7 @@ impl Linear {
             weight,
             bias,
             out_perm: None,
+            upcast: OnceLock::new(),
         }
     }
 
@@ -42,13 +47,21 @@ impl Linear {
         self
     }
 
-    /// `x`: [rows, in] -> [rows, out].
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x`: [rows, in] -> [rows, out], in `x`'s dtype. With `row_invariant`, dense weights go through
+    /// the f32 kernel (f16 / bf16 ones and their activations as their f32 values, the result rounded to
+    /// `x`'s dtype): a row's result does not depend on the other rows of the block, so speculative
+    /// verification reproduces plain decoding bit for bit. Without, through candle's matmul in `x`'s
+    /// dtype, as on a GPU.
+    pub fn forward(&self, x: &Tensor, row_invariant: bool) -> Result<Tensor> {
         let y = match &self.weight {
-            // On the CPU, f32 goes through the row-invariant kernel: a row's result does not depend on the
-            // other rows of the block, so speculative verification reproduces plain decoding bit for bit.
-            Weight::Dense(w) if w.dtype() == DType::F32 && w.device().is_cpu() => {
-                crate::kernels::linear_f32(&x.contiguous()?, w)?
+            Weight::Dense(w) if row_invariant => {
+                let w = if w.dtype() == DType::F32 {
+                    w
+                } else {
+                    self.upcast_of(w)?
+                };
+                let dt = x.dtype();
+                crate::kernels::linear_f32(&x.to_dtype(DType::F32)?.contiguous()?, w)?.to_dtype(dt)?
             }
             Weight::Dense(w) => x.matmul(&w.t()?)?,
             Weight::Blocks(b) => {
@@ -69,7 +82,11 @@ impl Linear {
     /// Several projections of the same input (a layer's q/k/v, or gate/up). With 8-bit activations on the
     /// CPU the input is quantised once and all the products go to the kernel pool as one job; the
     /// results are those of calling [`Linear::forward`] on each.
-    pub fn forward_many<const N: usize>(linears: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+    pub fn forward_many<const N: usize>(
+        linears: [&Linear; N],
+        x: &Tensor,
+        row_invariant: bool,
+    ) -> Result<[Tensor; N]> {
         let packed: Option<Vec<&PackedMatrix>> = linears
             .iter()
             .map(|l| match &l.weight {
@@ -83,9 +100,21 @@ impl Linear {
                 .zip(linears)
                 .map(|(y, l)| l.finish(y))
                 .collect::<Result<_>>()?,
-            None => linears.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
+            None => linears
+                .iter()
+                .map(|l| l.forward(x, row_invariant))
+                .collect::<Result<_>>()?,
         };
         Ok(ys.try_into().expect("one result per projection"))
+    }
+
+    /// `w` as f32, made once.
+    fn upcast_of(&self, w: &Tensor) -> Result<&Tensor> {
+        if let Some(u) = self.upcast.get() {
+            return Ok(u);
+        }
+        let u = w.to_dtype(DType::F32)?;
+        Ok(self.upcast.get_or_init(|| u))
     }
 
     /// Bias, then the output permutation.

@@ -326,7 +326,8 @@ fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, opts: &LoadOptions)
     match t {
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => GgufMatrix::Dense,
         _ if opts.dequantize => GgufMatrix::Dense,
-        _ if !device.is_cpu() => GgufMatrix::Candle,
+        // As on a GPU when the CPU is asked to take a GPU device's path (`PROBESPEC_OPS=candle`).
+        _ if !device.is_cpu() || super::Ops::candle_forced() => GgufMatrix::Candle,
         _ => match (
             opts.activations,
             BlockFormat::of_ggml(t),

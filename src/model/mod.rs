@@ -9,6 +9,7 @@ pub mod config;
 pub mod kv_cache;
 pub mod linear;
 pub mod load;
+pub mod ops;
 pub mod shape_gguf;
 pub mod synthetic;
 
@@ -16,6 +17,7 @@ pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
 pub use linear::{Linear, Weight};
 pub use load::{load_model, LoadedModel, ModelSource};
+pub use ops::Ops;
 
 use crate::kernels::PackedMatrix;
 use anyhow::{bail, Result};
@@ -35,9 +37,10 @@ impl RmsNorm {
         }
     }
 
-    /// Normalises over the last dimension, whatever the leading shape.
-    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        if x.device().is_cpu() && x.dtype() == DType::F32 && self.weight.dtype() == DType::F32 {
+    /// Normalises over the last dimension, whatever the leading shape: with probespec's kernel when
+    /// `kernels` (f32 on the CPU), else candle's op (which also computes each row alone).
+    pub fn forward(&self, x: &Tensor, kernels: bool) -> Result<Tensor> {
+        if kernels && x.dtype() == DType::F32 && self.weight.dtype() == DType::F32 {
             return Ok(crate::kernels::rms_norm_f32(x, &self.weight, self.eps)?);
         }
         Ok(candle_nn::ops::rms_norm(
@@ -141,6 +144,8 @@ pub struct Transformer {
     sin: Tensor,
     pub device: Device,
     pub dtype: DType,
+    /// Which code computes the layers (see [`Ops`]); set before making caches ([`Transformer::with_ops`]).
+    ops: Ops,
     /// Unique per constructed model in this process: what caches of per-model measurements are keyed by.
     pub id: u64,
 }
@@ -170,6 +175,7 @@ impl Transformer {
             .to_dtype(DType::F32)?
             .reshape((n, 1))?;
         let freqs = t.matmul(&inv_freq)?;
+        let ops = Ops::for_model(&device, dtype)?;
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Transformer {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
@@ -182,7 +188,20 @@ impl Transformer {
             lm_head,
             device,
             dtype,
+            ops,
         })
+    }
+
+    /// The model computed by `ops` instead (an error where they cannot run); caches made before do not
+    /// fit it.
+    pub fn with_ops(mut self, ops: Ops) -> Result<Self> {
+        ops.check(&self.device, self.dtype)?;
+        self.ops = ops;
+        Ok(self)
+    }
+
+    pub fn ops(&self) -> Ops {
+        self.ops
     }
 
     pub fn new_cache(&self, capacity: usize) -> Result<KvCache> {
@@ -192,16 +211,25 @@ impl Transformer {
             capacity,
             c.num_kv_heads,
             c.head_dim,
-            self.dtype,
+            self.cache_dtype(),
             &self.device,
             self.cpu_kernels(),
         )
     }
 
+    /// The cache's dtype: the model's, except for the row-invariant products in f16 / bf16, which read
+    /// the keys and values as f32 (the same values, converted once when written).
+    fn cache_dtype(&self) -> DType {
+        match self.ops {
+            Ops::Exact => DType::F32,
+            _ => self.dtype,
+        }
+    }
+
     /// Whether the layer runs probespec's own CPU kernels (f32 on the CPU: row-invariant, so a block
     /// verifies exactly what plain decoding computes) rather than candle's ops.
     fn cpu_kernels(&self) -> bool {
-        self.device.is_cpu() && self.dtype == DType::F32
+        self.ops == Ops::Kernels
     }
 
     /// Input embeddings of `ids`: `[ids.len(), hidden]`.
@@ -241,7 +269,7 @@ impl Transformer {
             x = self.layer_forward(layer, i, &x, &cos, &sin, mask, &mut *cache)?;
         }
         cache.advance(rows);
-        self.norm.forward(&x)
+        self.norm.forward(&x, self.cpu_kernels())
     }
 
     /// Logits (f32) of the given rows of `hidden`: `[rows.len(), vocab]`.
@@ -252,7 +280,10 @@ impl Transformer {
             let idx: Vec<u32> = rows.iter().map(|&r| r as u32).collect();
             hidden.index_select(&Tensor::new(idx.as_slice(), &self.device)?, 0)?
         };
-        Ok(self.lm_head.forward(&h)?.to_dtype(DType::F32)?)
+        Ok(self
+            .lm_head
+            .forward(&h, self.ops.row_invariant())?
+            .to_dtype(DType::F32)?)
     }
 
     fn rope_rows(&self, positions: &[u32]) -> Result<(Tensor, Tensor)> {
@@ -283,20 +314,21 @@ impl Transformer {
     ) -> Result<Tensor> {
         let c = &self.config;
         let rows = x.dim(0)?;
-        let h = l.attn_norm.forward(x)?;
-        let [q, k, v] = Linear::forward_many([&l.q_proj, &l.k_proj, &l.v_proj], &h)?;
+        let (kernels, exact) = (self.cpu_kernels(), self.ops.row_invariant());
+        let h = l.attn_norm.forward(x, kernels)?;
+        let [q, k, v] = Linear::forward_many([&l.q_proj, &l.k_proj, &l.v_proj], &h, exact)?;
         let q = q.reshape((1, rows, c.num_heads, c.head_dim))?;
         let k = k.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
         let v = v.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
         let q = match &l.q_norm {
-            Some(n) => n.forward(&q)?,
+            Some(n) => n.forward(&q, kernels)?,
             None => q,
         };
         let k = match &l.k_norm {
-            Some(n) => n.forward(&k)?,
+            Some(n) => n.forward(&k, kernels)?,
             None => k,
         };
-        let (q, k) = if self.cpu_kernels() {
+        let (q, k) = if kernels {
             (
                 crate::kernels::rope_f32(&q, cos, sin)?,
                 crate::kernels::rope_f32(&k, cos, sin)?,
@@ -309,15 +341,15 @@ impl Transformer {
         };
         let v_all = cache.write(layer_idx, &k, &v.contiguous()?)?;
         let attn = self.attention(&q, cache.keys(layer_idx), &v_all, mask, cache.len())?;
-        let x = self.residual(x, &l.o_proj.forward(&attn)?)?;
-        let h = l.mlp_norm.forward(&x)?;
-        let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h)?;
-        let gated = if self.cpu_kernels() {
+        let x = self.residual(x, &l.o_proj.forward(&attn, exact)?)?;
+        let h = l.mlp_norm.forward(&x, kernels)?;
+        let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h, exact)?;
+        let gated = if kernels {
             crate::kernels::swiglu_f32(&gate, &up)?
         } else {
             (candle_nn::ops::silu(&gate)? * up)?
         };
-        self.residual(&x, &l.down_proj.forward(&gated)?)
+        self.residual(&x, &l.down_proj.forward(&gated, exact)?)
     }
 
     /// `x + y`, a residual connection (on the CPU kernels without rayon: see [`crate::kernels::add_f32`]).
@@ -342,41 +374,36 @@ impl Transformer {
         let c = &self.config;
         let rows = q.dim(1)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        if self.cpu_kernels() {
+        if self.ops.row_invariant() {
+            // The kernels' attention: each row's softmax and weighted sum over its visible keys only,
+            // in key order. For f16 / bf16 the cache holds f32 (the dtype's values); the result is rounded
+            // to the dtype.
             use crate::kernels::{attention_f32_keys, Visibility};
-            return Ok(match mask {
+            let q32 = q.to_dtype(DType::F32)?;
+            // Rows keys: the written ones, which lead the buffer.
+            let written;
+            let keys = match keys {
+                crate::kernels::Keys::Rows(k) => {
+                    written = k.narrow(1, 0, v.dim(1)?)?;
+                    crate::kernels::Keys::Rows(&written)
+                }
+                transposed => transposed,
+            };
+            let y = match mask {
                 BlockMask::Causal => {
-                    attention_f32_keys(q, keys, v, Visibility::Causal { offset: cached }, scale)?
+                    attention_f32_keys(&q32, keys, v, Visibility::Causal { offset: cached }, scale)?
                 }
                 BlockMask::Additive(m) => crate::kernels::with_f32(&m.to_dtype(DType::F32)?, |mask| {
-                    attention_f32_keys(q, keys, v, Visibility::Additive(mask), scale)
+                    attention_f32_keys(&q32, keys, v, Visibility::Additive(mask), scale)
                 })??,
-            });
+            };
+            return Ok(y.to_dtype(self.dtype)?);
         }
-        // Off the CPU kernels the cache keeps its keys as rows: the written ones lead the buffer.
+        // Off the kernels the cache keeps its keys as rows: the written ones lead the buffer.
         let crate::kernels::Keys::Rows(k) = keys else {
             bail!("transposed keys are for the CPU kernels only");
         };
         let k = &k.narrow(1, 0, v.dim(1)?)?;
-        if self.device.is_cpu() {
-            use candle_nn::attention::{flash_attn, AttnMask};
-            let m = match mask {
-                BlockMask::Causal if rows == 1 => AttnMask::None,
-                BlockMask::Causal => AttnMask::causal_with_offset(cached),
-                BlockMask::Additive(m) => AttnMask::Mask(m.to_dtype(self.dtype)?),
-            };
-            let y = match self.dtype {
-                DType::F32 => flash_attn::<f32>(q, k, v, scale, m, None, None)?,
-                DType::F16 => flash_attn::<half::f16>(q, k, v, scale, m, None, None)?,
-                DType::BF16 => flash_attn::<half::bf16>(q, k, v, scale, m, None, None)?,
-                dt => bail!("unsupported activation dtype {dt:?}"),
-            };
-            // [1, heads, rows, hd] -> [rows, heads * hd]
-            return Ok(y
-                .squeeze(0)?
-                .transpose(0, 1)?
-                .reshape((rows, c.num_heads * c.head_dim))?);
-        }
         // GPU path: matmul + additive mask + softmax, in f32 for the softmax.
         let groups = c.num_heads / c.num_kv_heads;
         let q = q.squeeze(0)?.transpose(0, 1)?.contiguous()?; // [heads, rows, hd]

@@ -466,17 +466,37 @@ pub fn test_device() -> Device {
 /// Loads a tiny checkpoint written to a fresh temporary folder (kept alive by the returned guard), in
 /// f32 on [`test_device`].
 pub fn load_tiny(spec: &TinySpec) -> (tempfile::TempDir, probespec::model::Transformer) {
+    load_tiny_as(spec, candle_core::DType::F32)
+}
+
+/// [`load_tiny`] in `dtype`.
+pub fn load_tiny_as(
+    spec: &TinySpec,
+    dtype: candle_core::DType,
+) -> (tempfile::TempDir, probespec::model::Transformer) {
     let dir = tempdir();
     spec.write_hf(dir.path());
+    let source = probespec::model::load::ModelSource::HfDir(dir.path().to_path_buf());
+    let m = load_as(&source, dtype, Default::default());
+    (dir, m)
+}
+
+/// A model from `source` on [`test_device`] in `dtype`, its GGUF quantised weights (if any) multiplied
+/// with `activations`.
+pub fn load_as(
+    source: &probespec::model::load::ModelSource,
+    dtype: candle_core::DType,
+    activations: probespec::model::load::Activations,
+) -> probespec::model::Transformer {
     let opts = probespec::model::load::LoadOptions {
         device: test_device(),
-        dtype: candle_core::DType::F32,
+        dtype,
         dequantize: false,
-        activations: Default::default(),
+        activations,
     };
-    let source = probespec::model::load::ModelSource::HfDir(dir.path().to_path_buf());
-    let m = probespec::model::load::load_model(&source, &opts).unwrap().model;
-    (dir, m)
+    probespec::model::load::load_model(source, &opts)
+        .unwrap_or_else(|e| panic!("loading {source:?} in {dtype:?}: {e:#}"))
+        .model
 }
 
 /// Rewrites a GGUF file after `edit` changed its metadata and tensors (what a corrupt or inconsistent
