@@ -15,8 +15,11 @@
 #   2. half precision (tests/half.rs): how often candle's ops in bf16 / f16 leave each method
 #      token-identical to plain decoding (printed, lines starting DIVERGENCE), and that they round by block
 #      size; on the CPU also that the row-invariant products are token-identical;
-#   3. `probespec cost` with random bf16 weights: LLaMA 3.1 8B and Qwen 3 8B shapes on CUDA, SmolLM2-135M's
-#      on the CPU (one decoding step of 1..64 rows after 256 / 1024 cached tokens, its ratio to one row).
+#   3. the same lossless and half-precision tests with the row-invariant products (PROBESPEC_OPS=exact:
+#      on CUDA src/kernels/cuda/exact.cu, unproven until this runs on a GPU), which must be bit-exact;
+#   4. `probespec cost` with random bf16 weights, candle's ops and the row-invariant ones: LLaMA 3.1 8B and
+#      Qwen 3 8B shapes on CUDA, SmolLM2-135M's on the CPU (one decoding step of 1..64 rows after 256 /
+#      1024 cached tokens, its ratio to one row).
 #   On the CPU also the chat and sampling suites (tests/chat.rs, tests/sampling.rs) through that path.
 # Results: $OUT (the device tool's output folder) or ./gpu-check-out. About 5 minutes on an H200.
 set -uo pipefail
@@ -93,6 +96,13 @@ step "lossless tests on $device through the GPU path, f32" lossless.log 400 \
   "${bin[lossless]}" --test-threads 1 --skip gguf
 step "half precision on $device: candle's ops' divergence" half.log 300 \
   "${bin[half]}" --test-threads 1 --nocapture candle_ops_in_half_precision_divergence_measured
+# The row-invariant products (PROBESPEC_OPS=exact: on CUDA the kernels of src/kernels/cuda/exact.cu, on
+# the CPU the f32 kernels on the dtype's values): every method bit-exact in f32, bf16 and f16.
+step "lossless tests on $device, row-invariant products, f32" lossless-exact.log 400 \
+  env PROBESPEC_OPS=exact "${bin[lossless]}" --test-threads 1 --skip gguf
+step "half precision on $device, row-invariant products" half-exact.log 400 \
+  env PROBESPEC_OPS=exact "${bin[half]}" --test-threads 1 --nocapture in_half_precision_is_row_invariant \
+  in_half_precision_are_row_invariant
 if [ "$device" = cpu ]; then
   # The terminal tests run the default SmolLM2 model, whose cost curve is timed first on this path.
   step "chat tests through the GPU path" chat.log 150 "${bin[chat]}" --test-threads 1
@@ -102,9 +112,11 @@ grep -h '^DIVERGENCE' "$out/half.log" >"$out/divergence.txt"
 for shape in $shapes; do
   rows=1,2,4,8,16,32,64 cache=256,1024 repeats=5
   [ "$device" = cpu ] && { rows=1,2,4,8 cache=256 repeats=2; }
-  step "cost curve, $shape, random bf16 weights" "cost-$shape.txt" 150 \
-    "${bin[probespec]}" cost --shape "$shape" --device "$device" --dtype bf16 \
-    --rows "$rows" --cache "$cache" --repeats "$repeats"
+  for ops in candle exact; do
+    step "cost curve, $shape, random bf16 weights, $ops ops" "cost-$shape-$ops.txt" 150 \
+      env PROBESPEC_OPS=$ops "${bin[probespec]}" cost --shape "$shape" --device "$device" --dtype bf16 \
+      --rows "$rows" --cache "$cache" --repeats "$repeats"
+  done
 done
 echo "== summary ($device)"
 cat "$out/divergence.txt"

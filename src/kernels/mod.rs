@@ -16,6 +16,7 @@
 //! The SIMD variant of each is chosen at run time ([`Isa`]).
 
 pub mod attention;
+pub mod cuda;
 pub mod elementwise;
 pub mod isa;
 pub mod matmul;

@@ -54,6 +54,9 @@ impl Linear {
     /// dtype, as on a GPU.
     pub fn forward(&self, x: &Tensor, row_invariant: bool) -> Result<Tensor> {
         let y = match &self.weight {
+            Weight::Dense(w) if row_invariant && w.device().is_cuda() => {
+                crate::kernels::cuda::matmul_exact(x, w)?
+            }
             Weight::Dense(w) if row_invariant => {
                 let w = if w.dtype() == DType::F32 {
                     w

@@ -326,6 +326,12 @@ fn gguf_matrix(t: GgmlDType, device: &Device, params: usize, opts: &LoadOptions)
     match t {
         GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16 => GgufMatrix::Dense,
         _ if opts.dequantize => GgufMatrix::Dense,
+        // The row-invariant CUDA kernels take dense weights: quantised ones are dequantised to the dtype.
+        _ if !device.is_cpu()
+            && super::Ops::for_model(device, opts.dtype).is_ok_and(|o| o == super::Ops::Exact) =>
+        {
+            GgufMatrix::Dense
+        }
         // As on a GPU when the CPU is asked to take a GPU device's path (`PROBESPEC_OPS=candle`).
         _ if !device.is_cpu() || super::Ops::candle_forced() => GgufMatrix::Candle,
         _ => match (

@@ -221,7 +221,7 @@ impl Transformer {
     /// the keys and values as f32 (the same values, converted once when written).
     fn cache_dtype(&self) -> DType {
         match self.ops {
-            Ops::Exact => DType::F32,
+            Ops::Exact if self.device.is_cpu() => DType::F32,
             _ => self.dtype,
         }
     }
@@ -374,6 +374,19 @@ impl Transformer {
         let c = &self.config;
         let rows = q.dim(1)?;
         let scale = 1.0 / (c.head_dim as f32).sqrt();
+        if self.ops == Ops::Exact && !self.device.is_cpu() {
+            let crate::kernels::Keys::Rows(k) = keys else {
+                bail!("the CUDA cache keeps its keys as rows");
+            };
+            let k = &k.narrow(1, 0, v.dim(1)?)?;
+            let mask = match mask {
+                BlockMask::Causal => None,
+                BlockMask::Additive(m) => Some(m),
+            };
+            return Ok(crate::kernels::cuda::attention_exact(
+                q, k, v, mask, cached, scale,
+            )?);
+        }
         if self.ops.row_invariant() {
             // The kernels' attention: each row's softmax and weighted sum over its visible keys only,
             // in key order. For f16 / bf16 the cache holds f32 (the dtype's values); the result is rounded

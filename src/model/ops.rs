@@ -27,7 +27,8 @@ pub enum Ops {
     /// and weighted sum over the visible keys in key order) is computed in f32 from the dtype's values, in
     /// a fixed order per output element whatever the block, and rounded to the dtype. Bit-exact
     /// verification in f16 / bf16. On the CPU through probespec's f32 kernels (the default there in f16 /
-    /// bf16); not available on GPUs yet.
+    /// bf16); on CUDA through `kernels::cuda` (GGUF quantised weights dequantised to the dtype at load;
+    /// opt-in until a GPU has proven them: scripts/gpu-check.sh); not on Metal.
     Exact,
 }
 
@@ -78,8 +79,8 @@ impl Ops {
             Ops::Kernels if !device.is_cpu() || dtype != DType::F32 => {
                 bail!("{OPS_ENV}=kernels: probespec's kernels run on the CPU in f32 only")
             }
-            Ops::Exact if !device.is_cpu() => {
-                bail!("{OPS_ENV}=exact: the row-invariant products run on the CPU only (not yet on GPUs)")
+            Ops::Exact if device.is_metal() => {
+                bail!("{OPS_ENV}=exact: the row-invariant products run on the CPU and CUDA, not on Metal")
             }
             _ => Ok(()),
         }
