@@ -6,6 +6,7 @@
 //! and computes logits only for the rows a caller reads. LLaMA and Qwen 3 are one model with switches.
 
 pub mod config;
+pub mod gguf;
 pub mod kv_cache;
 pub mod linear;
 pub mod load;
