@@ -4,8 +4,8 @@
 //! root + accepted path in the KV cache -> hand the probes' logits back to the drafter }.
 //! Verification, cache compaction, stopping rules and statistics are written here once.
 
+use super::kind::MethodKind;
 use super::layout::{LayoutCache, Probe};
-use super::method::MethodKind;
 use super::sampling::{Sampler, SamplingParams};
 use super::stats::DecodeStats;
 use super::tree::{accept, TokenTree};

@@ -4,51 +4,18 @@
 
 use super::budget::node_budget;
 use super::drafters::ar::Autoregressive;
-pub use super::drafters::esp::MaskInit;
 use super::drafters::esp::{Esp, EspConfig, TreeShape};
+pub use super::drafters::esp::{MaskInit, Masks};
 use super::drafters::hybrid::{Hybrid, HybridConfig};
 use super::drafters::lookahead::Lookahead;
 pub use super::drafters::lookahead::LookaheadConfig;
 pub use super::drafters::pld::PldConfig;
 use super::drafters::pld::{Pld, DEFAULT_DRAFT_LEN};
 use super::generate::Drafter;
-use anyhow::{anyhow, bail, Result};
+pub use super::kind::MethodKind;
+use anyhow::{anyhow, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
-
-/// The methods, by the names the CLI, the statistics and the benchmark records use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MethodKind {
-    /// Plain greedy / sampled decoding, the reference.
-    Ar,
-    /// Embedding-Space Probing: mask tokens on every tree node.
-    Esp,
-    /// Prompt Lookup Decoding.
-    Pld,
-    /// Lookahead decoding (one Jacobi level and an n-gram pool).
-    Lookahead,
-    /// ESP, prompt lookup and n-gram continuations in one tree.
-    Hybrid,
-}
-
-impl MethodKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            MethodKind::Ar => "ar",
-            MethodKind::Esp => "esp",
-            MethodKind::Pld => "pld",
-            MethodKind::Lookahead => "lookahead",
-            MethodKind::Hybrid => "hybrid",
-        }
-    }
-}
-
-impl fmt::Display for MethodKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// Block complexity: rows per forward pass, masks included, `(k + 1)(1 + nodes)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -106,39 +73,6 @@ impl fmt::Display for Budget {
             Budget::Auto => f.write_str("auto"),
             Budget::Fixed(n) => write!(f, "{n}"),
         }
-    }
-}
-
-/// The mask tokens of ESP and hybrid: how many per node, how they start, how fast they follow the text.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Masks {
-    /// k, masks per tree node (1..=3).
-    pub count: usize,
-    pub init: MaskInit,
-    /// Update rate: m <- m + lambda (e - m) per committed token.
-    pub lambda: f32,
-}
-
-impl Default for Masks {
-    fn default() -> Self {
-        Masks {
-            count: 1,
-            init: MaskInit::Mean,
-            lambda: 0.1,
-        }
-    }
-}
-
-impl Masks {
-    /// The one check of `--masks` and `--mask-lambda` (every drafter with masks calls it).
-    pub fn validate(&self) -> Result<()> {
-        if !(1..=3).contains(&self.count) {
-            bail!("--masks must be 1, 2 or 3 (got {})", self.count);
-        }
-        if !(0.0..=1.0).contains(&self.lambda) {
-            bail!("--mask-lambda must be in [0, 1] (got {})", self.lambda);
-        }
-        Ok(())
     }
 }
 

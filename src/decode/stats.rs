@@ -2,7 +2,7 @@
 //! sent (what `--bc auto` chose: a histogram of rows per step and the share of plain one-row steps), and
 //! where the time went (forward pass, drafting, verification, bookkeeping).
 
-use super::method::MethodKind;
+use super::kind::MethodKind;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Serialize)]

@@ -31,7 +31,7 @@
 //! sample matching in the shared verifier keeps it exact under sampling.
 
 use super::candidates::dynamic_tree;
-use super::esp::MaskProbes;
+use super::esp::{MaskProbes, Masks};
 use super::ngram::{distinct_matches, lookup};
 use crate::decode::auto::{
     best_first, chain_rate, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
@@ -40,8 +40,8 @@ use crate::decode::budget::{nodes_within, rows_for, MAX_BC};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::kind::MethodKind;
 use crate::decode::layout::{esp_probes, Probe};
-use crate::decode::method::{Masks, MethodKind};
 use crate::decode::tree::TokenTree;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
