@@ -1,7 +1,7 @@
 //! Hybrid drafter: ESP's mask-token candidates, prompt lookup and n-gram continuations merged into ONE tree
 //! per step under ONE block complexity, `BC = (k + 1) (1 + nodes)` as for ESP: every node carries k mask
 //! probes, and the masks of the deepest accepted node seed the next step's ESP candidates (exactly as in
-//! [`super::esp`], whose [`MaskEmbedding`] and candidate lists this reuses).
+//! [`super::esp`], whose [`MaskEmbedding`](super::esp::MaskEmbedding) and candidate lists this reuses).
 //!
 //! Every source proposes scored paths, merged into one candidate trie, and the `nodes` best nodes by one
 //! score are kept. A node's score estimates the probability that the verifier reaches it: the parent's
