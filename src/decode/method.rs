@@ -103,6 +103,57 @@ pub struct HybridSpec {
 }
 
 /// A decoding method and its parameters.
+///
+/// Plain data: [`Method::validate`] checks the parameters and [`Method::drafter`] builds the drafter that
+/// [`generate`](super::generate::generate) runs. Every method gives the tokens of plain decoding.
+///
+/// # Example
+///
+/// ```
+/// use probespec::decode::generate::{generate, GenerateParams};
+/// use probespec::decode::method::{Budget, EspSpec, HybridSpec, Masks, Method, MethodKind, PldConfig};
+/// # use candle_core::{DType, Device};
+/// # use probespec::model::{synthetic::random_model, ModelConfig};
+/// # fn main() -> anyhow::Result<()> {
+/// // A tiny LLaMA-shaped model with random weights, built in memory (no checkpoint needed).
+/// let config = ModelConfig::from_hf_json(
+///     r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+///         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+///         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+///         "tie_word_embeddings": false, "eos_token_id": 2}"#,
+/// )?;
+/// let model = random_model(config, &Device::Cpu, DType::F32)?;
+///
+/// let esp = Method::Esp(EspSpec {
+///     masks: Masks { count: 2, ..Masks::default() },
+///     budget: Budget::Fixed(30),
+///     ..EspSpec::default()
+/// });
+/// assert_eq!(esp.kind(), MethodKind::Esp);
+/// assert_eq!(esp.budget(), Some(Budget::Fixed(30)));
+/// esp.validate()?;
+/// // A bad parameter is an error naming its flag, before anything runs.
+/// let too_many = Method::Esp(EspSpec {
+///     masks: Masks { count: 4, ..Masks::default() },
+///     ..EspSpec::default()
+/// });
+/// assert!(too_many.validate().unwrap_err().to_string().contains("--masks"));
+///
+/// let params = GenerateParams { max_new_tokens: 16, sampling: Default::default(), stop_tokens: vec![] };
+/// let prompt = [7, 3, 11, 3, 11, 7, 3];
+/// let run = |method: &Method| -> anyhow::Result<Vec<u32>> {
+///     let mut drafter = method.drafter(0)?;
+///     Ok(generate(&model, &prompt, drafter.as_mut(), &params, &mut |_| Ok(()))?.tokens)
+/// };
+/// let reference = run(&Method::Ar)?;
+/// let hybrid = Method::Hybrid(HybridSpec { budget: Budget::Fixed(20), ..HybridSpec::default() });
+/// let pld = Method::Pld(PldConfig { max_ngram: 3, draft_len: Some(4) });
+/// for method in [esp, hybrid, pld] {
+///     assert_eq!(run(&method)?, reference, "{} is lossless", method.kind());
+/// }
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub enum Method {
     Ar,
