@@ -74,6 +74,40 @@ impl ModelOptions {
 }
 
 /// A model and its tokenizer, loaded once, shared by every generation.
+///
+/// # Example
+///
+/// Needs a checkpoint (the default, `ModelOptions::default()`, is SmolLM2-135M-Instruct's GGUF), so it is
+/// compiled but not run here:
+///
+/// ```no_run
+/// use probespec::decode::generate::GenerateParams;
+/// use probespec::decode::method::Method;
+/// use probespec::session::{ModelOptions, Session};
+/// use probespec::tokenizer::StreamDecoder;
+///
+/// # fn main() -> anyhow::Result<()> {
+/// let session = Session::load(&ModelOptions {
+///     model: Some("SmolLM2-135M-Instruct.Q4_1.gguf".into()),
+///     ..ModelOptions::default()
+/// })?;
+/// let prompt = session.encode_prompt("Name three primes.", None, true)?;
+/// let params = GenerateParams {
+///     max_new_tokens: 64,
+///     sampling: Default::default(), // greedy
+///     stop_tokens: session.stop_tokens(),
+/// };
+/// let mut text = StreamDecoder::new(&session.tokenizer);
+/// let g = session.generate(&prompt, &Method::default(), &params, &mut |t| {
+///     if let Some(piece) = text.push(t)? {
+///         print!("{piece}");
+///     }
+///     Ok(())
+/// })?;
+/// println!("\n{}", g.stats.summary_line(prompt.len()));
+/// # Ok(())
+/// # }
+/// ```
 pub struct Session {
     pub model: Transformer,
     pub tokenizer: TextTokenizer,

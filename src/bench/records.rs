@@ -55,7 +55,7 @@ pub struct Record {
     /// adds one): what Spec-Bench's `speed.py` counts, minus one, for the baseline's tokens.
     #[serde(default)]
     pub text_tokens: Option<usize>,
-    /// block_histogram[r] = decoding calls whose block had r rows: what `--bc auto` chose (absent in
+    /// `block_histogram[r]` = decoding calls whose block had r rows: what `--bc auto` chose (absent in
     /// older records).
     #[serde(default)]
     pub block_histogram: Vec<usize>,

@@ -57,7 +57,7 @@ pub struct ConfigSummary {
     pub masks: Option<usize>,
     /// Per group, `overall` included.
     pub groups: BTreeMap<String, GroupStats>,
-    /// block_histogram[r] = decoding calls with r rows, over every record (empty for older records).
+    /// `block_histogram[r]` = decoding calls with r rows, over every record (empty for older records).
     pub block_histogram: Vec<usize>,
     /// Share of those calls that decoded plainly (one row).
     pub plain_share: Option<f64>,

@@ -154,7 +154,7 @@ impl Chooser {
     }
 
     /// The calibration of blocks of `rows`: their size class's counts, starting from
-    /// [`CALIBRATION_PRIOR`] tokens at the overall ratio.
+    /// `CALIBRATION_PRIOR` tokens at the overall ratio.
     pub fn calibration_at(&self, rows: usize) -> f64 {
         let c = size_class(rows);
         let prior = CALIBRATION_PRIOR * self.calibration();

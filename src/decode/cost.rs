@@ -51,7 +51,7 @@ pub struct Samples {
 }
 
 impl Samples {
-    /// Whether every point (and the extra projection) has its [`REPEATS`] runs.
+    /// Whether every point (and the extra projection) has its `REPEATS` runs.
     pub fn complete(&self) -> bool {
         self.extra.len() >= REPEATS && self.points.iter().flatten().all(|t| t.len() >= REPEATS)
     }
@@ -75,7 +75,7 @@ impl CostCurve {
     }
 
     /// Times the model fully: at each cache length of [`TIMED_CONTEXTS`] that fits its window, every
-    /// block size of [`TIMED_ROWS`], the median of [`REPEATS`] runs (`probespec cost --save`).
+    /// block size of [`TIMED_ROWS`], the median of `REPEATS` runs (`probespec cost --save`).
     pub fn measure(model: &Transformer) -> Result<(Self, Samples)> {
         Self::measure_within(model, None, None)
     }
@@ -83,7 +83,7 @@ impl CostCurve {
     /// Times the model within about `budget` (none: no limit), continuing from `prior` (the samples a
     /// budgeted timing of the same grid left): the points of the grid in order of how much of the curve
     /// they pin down (the corners of the fewest and most rows at the shortest and longest cache first,
-    /// then the middles), one run each, then more runs while the budget lasts, up to [`REPEATS`].
+    /// then the middles), one run each, then more runs while the budget lasts, up to `REPEATS`.
     /// Points never timed are interpolated from the timed ones ([`fill_untimed`]), so a large model's
     /// first run pays a second or so for its curve instead of most of a minute, and each later run
     /// tops it up within the same budget until [`Samples::complete`]. The corners are always timed,
@@ -261,7 +261,7 @@ fn timing_order(contexts: usize, rows: usize) -> Vec<(usize, usize, usize)> {
 
 /// The full grid from the timed points (`timed[c][r]`, `None` where untimed): a bigger block, or a longer
 /// cache, is never recorded as cheaper than a smaller one (that is timing noise); a cache length with two or more timed
-/// sizes gets the others by [`interpolate`] in rows; one with fewer is interpolated, size by size,
+/// sizes gets the others by `interpolate` in rows; one with fewer is interpolated, size by size,
 /// between the nearest such lengths below and above (held beyond them). At least one length must have
 /// two timed sizes, or one size when there is only one.
 pub fn fill_untimed(contexts: &[usize], rows: &[usize], timed: &[Vec<Option<f64>>]) -> Vec<Vec<f64>> {

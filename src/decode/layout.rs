@@ -132,7 +132,7 @@ impl BlockLayout {
 
 /// The "static tree" optimisation of ESP: the block-local part of the mask never changes for a fixed tree
 /// shape and probe list, so layouts are kept per (shape, probes) key; only the prefix columns grow, which
-/// [`BlockLayout::additive_mask`] adds. Bounded: the map is cleared when it would exceed its entry limit
+/// [`BlockLayout::additive_mask_into`] adds. Bounded: the map is cleared when it would exceed its entry limit
 /// (the shapes a drafter produces repeat, so a full clear is rare and cheap).
 #[derive(Debug)]
 pub struct LayoutCache {

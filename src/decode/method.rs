@@ -4,51 +4,18 @@
 
 use super::budget::node_budget;
 use super::drafters::ar::Autoregressive;
-pub use super::drafters::esp::MaskInit;
 use super::drafters::esp::{Esp, EspConfig, TreeShape};
+pub use super::drafters::esp::{MaskInit, Masks};
 use super::drafters::hybrid::{Hybrid, HybridConfig};
 use super::drafters::lookahead::Lookahead;
 pub use super::drafters::lookahead::LookaheadConfig;
 pub use super::drafters::pld::PldConfig;
 use super::drafters::pld::{Pld, DEFAULT_DRAFT_LEN};
 use super::generate::Drafter;
-use anyhow::{anyhow, bail, Result};
+pub use super::kind::MethodKind;
+use anyhow::{anyhow, Result};
 use serde::{Deserialize, Serialize};
 use std::fmt;
-
-/// The methods, by the names the CLI, the statistics and the benchmark records use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum MethodKind {
-    /// Plain greedy / sampled decoding, the reference.
-    Ar,
-    /// Embedding-Space Probing: mask tokens on every tree node.
-    Esp,
-    /// Prompt Lookup Decoding.
-    Pld,
-    /// Lookahead decoding (one Jacobi level and an n-gram pool).
-    Lookahead,
-    /// ESP, prompt lookup and n-gram continuations in one tree.
-    Hybrid,
-}
-
-impl MethodKind {
-    pub fn name(self) -> &'static str {
-        match self {
-            MethodKind::Ar => "ar",
-            MethodKind::Esp => "esp",
-            MethodKind::Pld => "pld",
-            MethodKind::Lookahead => "lookahead",
-            MethodKind::Hybrid => "hybrid",
-        }
-    }
-}
-
-impl fmt::Display for MethodKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// Block complexity: rows per forward pass, masks included, `(k + 1)(1 + nodes)`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -109,39 +76,6 @@ impl fmt::Display for Budget {
     }
 }
 
-/// The mask tokens of ESP and hybrid: how many per node, how they start, how fast they follow the text.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Masks {
-    /// k, masks per tree node (1..=3).
-    pub count: usize,
-    pub init: MaskInit,
-    /// Update rate: m <- m + lambda (e - m) per committed token.
-    pub lambda: f32,
-}
-
-impl Default for Masks {
-    fn default() -> Self {
-        Masks {
-            count: 1,
-            init: MaskInit::Mean,
-            lambda: 0.1,
-        }
-    }
-}
-
-impl Masks {
-    /// The one check of `--masks` and `--mask-lambda` (every drafter with masks calls it).
-    pub fn validate(&self) -> Result<()> {
-        if !(1..=3).contains(&self.count) {
-            bail!("--masks must be 1, 2 or 3 (got {})", self.count);
-        }
-        if !(0.0..=1.0).contains(&self.lambda) {
-            bail!("--mask-lambda must be in [0, 1] (got {})", self.lambda);
-        }
-        Ok(())
-    }
-}
-
 /// ESP's tree.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum EspTree {
@@ -169,6 +103,57 @@ pub struct HybridSpec {
 }
 
 /// A decoding method and its parameters.
+///
+/// Plain data: [`Method::validate`] checks the parameters and [`Method::drafter`] builds the drafter that
+/// [`generate`](super::generate::generate) runs. Every method gives the tokens of plain decoding.
+///
+/// # Example
+///
+/// ```
+/// use probespec::decode::generate::{generate, GenerateParams};
+/// use probespec::decode::method::{Budget, EspSpec, HybridSpec, Masks, Method, MethodKind, PldConfig};
+/// # use candle_core::{DType, Device};
+/// # use probespec::model::{synthetic::random_model, ModelConfig};
+/// # fn main() -> anyhow::Result<()> {
+/// // A tiny LLaMA-shaped model with random weights, built in memory (no checkpoint needed).
+/// let config = ModelConfig::from_hf_json(
+///     r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+///         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+///         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+///         "tie_word_embeddings": false, "eos_token_id": 2}"#,
+/// )?;
+/// let model = random_model(config, &Device::Cpu, DType::F32)?;
+///
+/// let esp = Method::Esp(EspSpec {
+///     masks: Masks { count: 2, ..Masks::default() },
+///     budget: Budget::Fixed(30),
+///     ..EspSpec::default()
+/// });
+/// assert_eq!(esp.kind(), MethodKind::Esp);
+/// assert_eq!(esp.budget(), Some(Budget::Fixed(30)));
+/// esp.validate()?;
+/// // A bad parameter is an error naming its flag, before anything runs.
+/// let too_many = Method::Esp(EspSpec {
+///     masks: Masks { count: 4, ..Masks::default() },
+///     ..EspSpec::default()
+/// });
+/// assert!(too_many.validate().unwrap_err().to_string().contains("--masks"));
+///
+/// let params = GenerateParams { max_new_tokens: 16, sampling: Default::default(), stop_tokens: vec![] };
+/// let prompt = [7, 3, 11, 3, 11, 7, 3];
+/// let run = |method: &Method| -> anyhow::Result<Vec<u32>> {
+///     let mut drafter = method.drafter(0)?;
+///     Ok(generate(&model, &prompt, drafter.as_mut(), &params, &mut |_| Ok(()))?.tokens)
+/// };
+/// let reference = run(&Method::Ar)?;
+/// let hybrid = Method::Hybrid(HybridSpec { budget: Budget::Fixed(20), ..HybridSpec::default() });
+/// let pld = Method::Pld(PldConfig { max_ngram: 3, draft_len: Some(4) });
+/// for method in [esp, hybrid, pld] {
+///     assert_eq!(run(&method)?, reference, "{} is lossless", method.kind());
+/// }
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug, Clone, PartialEq)]
 pub enum Method {
     Ar,

@@ -1,6 +1,11 @@
 //! Decoding strategies: the block and tree types (plain data, no tensors), the verifier, the generate loop,
 //! sampling, statistics, `--bc auto` (the cost curve, its disk cache, the per-step block chooser), and one
 //! module per drafter.
+//!
+//! Layering: [`kind`] (the methods' names) sits below everything; the loop ([`generate`]), its statistics
+//! and the drafters use it; [`method`] (method specs -> drafters) sits on top and is the only module that
+//! imports the drafters. Nothing below [`method`] imports it; its `pub use` re-exports keep the drafters'
+//! configuration types reachable as `decode::method::*`.
 
 pub mod auto;
 pub mod budget;
@@ -8,6 +13,7 @@ pub mod cost;
 pub mod cost_cache;
 pub mod drafters;
 pub mod generate;
+pub mod kind;
 pub mod layout;
 pub mod method;
 pub mod sampling;

@@ -2,7 +2,7 @@
 //! sent (what `--bc auto` chose: a histogram of rows per step and the share of plain one-row steps), and
 //! where the time went (forward pass, drafting, verification, bookkeeping).
 
-use super::method::MethodKind;
+use super::kind::MethodKind;
 use serde::Serialize;
 
 #[derive(Debug, Clone, Serialize)]
@@ -23,14 +23,14 @@ pub struct DecodeStats {
     pub cost_curve_timed_seconds: f64,
     pub decode_seconds: f64,
     pub tokens_per_second: f64,
-    /// committed_histogram[n] = steps that committed n tokens.
+    /// `committed_histogram[n]` = steps that committed n tokens.
     pub committed_histogram: Vec<usize>,
     /// Tokens committed by each decoding call, in order (Spec-Bench's `accept_lengths`).
     pub accept_lengths: Vec<usize>,
     /// Tree nodes and block rows (nodes + probes) summed over steps, for mean block sizes.
     pub tree_nodes: usize,
     pub block_rows: usize,
-    /// block_histogram[r] = steps whose block had r rows (probes included).
+    /// `block_histogram[r]` = steps whose block had r rows (probes included).
     pub block_histogram: Vec<usize>,
     /// Share of the steps that decoded plainly (a block of one row).
     pub plain_share: f64,

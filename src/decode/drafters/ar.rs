@@ -2,8 +2,8 @@
 //! strategy must reproduce token for token.
 
 use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::kind::MethodKind;
 use crate::decode::layout::Probe;
-use crate::decode::method::MethodKind;
 use crate::model::Transformer;
 use anyhow::{bail, Result};
 use candle_core::Tensor;

@@ -7,8 +7,8 @@ use crate::decode::auto::{Choice, Chooser, Offer};
 use crate::decode::budget::rows_for;
 use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::kind::MethodKind;
 use crate::decode::layout::{esp_probes, Probe};
-use crate::decode::method::{Masks, MethodKind};
 use crate::decode::sampling::top_candidates;
 use crate::decode::tree::TokenTree;
 use crate::decode::MAX_DRAFT_FLAG;
@@ -37,6 +37,39 @@ impl MaskInit {
             MaskInit::Normal => "normal",
             MaskInit::Last => "last",
         }
+    }
+}
+
+/// The mask tokens of ESP and hybrid: how many per node, how they start, how fast they follow the text.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Masks {
+    /// k, masks per tree node (1..=3).
+    pub count: usize,
+    pub init: MaskInit,
+    /// Update rate: m <- m + lambda (e - m) per committed token.
+    pub lambda: f32,
+}
+
+impl Default for Masks {
+    fn default() -> Self {
+        Masks {
+            count: 1,
+            init: MaskInit::Mean,
+            lambda: 0.1,
+        }
+    }
+}
+
+impl Masks {
+    /// The one check of `--masks` and `--mask-lambda` (every drafter with masks calls it).
+    pub fn validate(&self) -> Result<()> {
+        if !(1..=3).contains(&self.count) {
+            bail!("--masks must be 1, 2 or 3 (got {})", self.count);
+        }
+        if !(0.0..=1.0).contains(&self.lambda) {
+            bail!("--mask-lambda must be in [0, 1] (got {})", self.lambda);
+        }
+        Ok(())
     }
 }
 

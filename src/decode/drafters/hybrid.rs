@@ -1,7 +1,7 @@
 //! Hybrid drafter: ESP's mask-token candidates, prompt lookup and n-gram continuations merged into ONE tree
 //! per step under ONE block complexity, `BC = (k + 1) (1 + nodes)` as for ESP: every node carries k mask
 //! probes, and the masks of the deepest accepted node seed the next step's ESP candidates (exactly as in
-//! [`super::esp`], whose [`MaskEmbedding`] and candidate lists this reuses).
+//! [`super::esp`], whose [`MaskEmbedding`](super::esp::MaskEmbedding) and candidate lists this reuses).
 //!
 //! Every source proposes scored paths, merged into one candidate trie, and the `nodes` best nodes by one
 //! score are kept. A node's score estimates the probability that the verifier reaches it: the parent's
@@ -31,7 +31,7 @@
 //! sample matching in the shared verifier keeps it exact under sampling.
 
 use super::candidates::dynamic_tree;
-use super::esp::MaskProbes;
+use super::esp::{MaskProbes, Masks};
 use super::ngram::{distinct_matches, lookup};
 use crate::decode::auto::{
     best_first, chain_rate, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
@@ -40,8 +40,8 @@ use crate::decode::budget::{nodes_within, rows_for, MAX_BC};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::kind::MethodKind;
 use crate::decode::layout::{esp_probes, Probe};
-use crate::decode::method::{Masks, MethodKind};
 use crate::decode::tree::TokenTree;
 use crate::model::Transformer;
 use anyhow::{bail, Result};

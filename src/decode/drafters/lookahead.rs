@@ -48,8 +48,8 @@ use crate::decode::auto::{
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
 use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::kind::MethodKind;
 use crate::decode::layout::Probe;
-use crate::decode::method::MethodKind;
 use crate::decode::sampling::argmax;
 use crate::decode::tree::TokenTree;
 use crate::model::Transformer;

@@ -2,19 +2,19 @@
 //! from the verified step. Verification, KV compaction and statistics live in the shared loop
 //! (`decode::generate`), not here.
 
-/// Plain decoding: the root alone.
+// Plain decoding: the root alone.
 pub mod ar;
-/// ESP's tree builders from the masks' candidate distributions.
+// ESP's tree builders from the masks' candidate distributions.
 pub mod candidates;
-/// Embedding-Space Probing: the mask tokens and their tree.
+// Embedding-Space Probing: the mask tokens and their tree.
 pub mod esp;
-/// ESP, prompt lookup and n-gram continuations in one scored tree.
+// ESP, prompt lookup and n-gram continuations in one scored tree.
 pub mod hybrid;
-/// Lookahead decoding: a Jacobi window and an n-gram pool.
+// Lookahead decoding: a Jacobi window and an n-gram pool.
 pub mod lookahead;
-/// N-gram matching and pools shared by the training-free drafters.
+// N-gram matching and pools shared by the training-free drafters.
 pub mod ngram;
-/// Prompt Lookup Decoding.
+// Prompt Lookup Decoding.
 pub mod pld;
 
 /// A small deterministic generator for the drafters' brute-force tests: a 64-bit LCG's high bits.

@@ -1,0 +1,98 @@
+//! Command-line interface: clap's flags, their conversion into the library's types
+//! ([`ModelOptions`](crate::session::ModelOptions), [`Method`](crate::decode::method::Method), the
+//! benchmark's options), and the terminal front ends (one-shot generation, the interactive conversation).
+//! Everything else is library code; nothing in the library imports this module.
+//!
+//! This file holds the entry point: the top-level parser, its subcommands and their dispatch, and how an
+//! error becomes the exit code. The rest, one concern per file:
+//!
+//! - `args`: the flags shared by generation, the conversation and the server (model, method, sampling),
+//!   and their conversion into library types;
+//! - `generate`: the one-shot generation front end (the default command);
+//! - `chat`: the interactive conversation front end (no prompt, a terminal on stdin);
+//! - `bench`: the flags and front ends of `bench`, `cost` and `shape-gguf`.
+
+mod args;
+mod bench;
+mod chat;
+mod generate;
+
+pub use args::{
+    ActivationsArg, DTypeArg, DeviceArg, GenerateArgs, MaskInitArg, MethodArg, MethodArgs, ModelArgs, TreeArg,
+};
+pub use bench::{BenchAction, BenchArgs, BenchRunArgs, CostArgs, FormatArg, ShapeGgufArgs};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "probespec",
+    version,
+    about = "Faster lossless generation from a frozen LLM by embedding-space probing"
+)]
+#[command(args_conflicts_with_subcommands = true, allow_negative_numbers = true)]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    generate: GenerateArgs,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Generate a reply to a prompt (the default command).
+    #[command(allow_negative_numbers = true)]
+    Generate(GenerateArgs),
+    /// Spec-Bench benchmark: `bench [--questions FILE]`, `bench report DIR`, `bench merge OUT DIR...`,
+    /// `bench export DIR`.
+    Bench(BenchArgs),
+    /// Forward cost curve: one block of R rows after C cached tokens, for a model or a named shape.
+    Cost(CostArgs),
+    /// Write a GGUF of random weights in a published shape and llama-quantize's mix (speed tests only).
+    ShapeGguf(ShapeGgufArgs),
+    /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
+    #[command(allow_negative_numbers = true)]
+    Serve(crate::serve::ServeArgs),
+}
+
+/// Entry point: returns the process exit code. Errors are one line on stderr.
+pub fn main() -> i32 {
+    let cli = match Cli::try_parse() {
+        Ok(c) => c,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                let _ = e.print();
+                return 0;
+            }
+            let text = e.to_string();
+            eprintln!("{}", text.lines().next().unwrap_or("invalid arguments"));
+            return 2;
+        }
+    };
+    let result = match cli.command {
+        Some(Command::Generate(args)) => generate::run_generate(&args),
+        Some(Command::Bench(args)) => bench::run_bench(&args),
+        Some(Command::Cost(args)) => bench::run_cost(&args),
+        Some(Command::ShapeGguf(args)) => bench::run_shape_gguf(args),
+        Some(Command::Serve(args)) => crate::serve::run(&args),
+        None => generate::run_generate(&cli.generate),
+    };
+    match result {
+        Ok(()) => 0,
+        // A reader that stopped reading (`probespec ... | head`): end quietly, as Unix tools do.
+        Err(e) if is_broken_pipe(&e) => 0,
+        Err(e) => {
+            eprintln!("error: {}", format!("{e:#}").replace('\n', " "));
+            1
+        }
+    }
+}
+
+/// Whether an error comes from writing to a closed pipe.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
+    })
+}
