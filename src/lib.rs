@@ -16,9 +16,6 @@ pub mod cli;
 // The one decoding loop, token trees and their masks, the drafters, and method specs.
 pub mod decode;
 // CPU compute kernels whose results do not depend on the block size (row-invariant matmul, attention).
-// Three doc links inside the kernels (two to private items, one `ys[i]` read as a link) are left to the
-// kernels' owners.
-#[allow(rustdoc::private_intra_doc_links, rustdoc::broken_intra_doc_links)]
 pub mod kernels;
 // Checkpoints in (HF folders, GGUF, hub ids); the transformer forward: positions + mask + KV cache in, logits out.
 pub mod model;

@@ -14,6 +14,7 @@ use crate::model::synthetic::{random_model, shape_config};
 use crate::model::Transformer;
 use crate::session::{ModelOptions, Session};
 use anyhow::{bail, Result};
+use std::path::PathBuf;
 use std::time::Instant;
 
 /// What `probespec cost` measures.
@@ -32,6 +33,10 @@ pub struct CostOptions {
     pub json: bool,
     /// Time `--bc auto`'s curve and save it in the cost cache.
     pub save: bool,
+    /// Also draw the curve (cost / cost of one row) as an SVG chart in this file.
+    pub svg: Option<PathBuf>,
+    /// llama-bench's JSON output (`-o json -p 1,... -n 0 -d C`) on the same model, drawn beside it.
+    pub peer: Option<PathBuf>,
 }
 
 /// One timed point of the curve.
@@ -82,7 +87,20 @@ pub fn run(a: &CostOptions) -> Result<()> {
             model.config.max_position_embeddings
         );
     }
+    // A peer file that cannot be read fails before the timing, not after it.
+    let peer = a
+        .peer
+        .as_deref()
+        .map(super::cost_chart::peer_curves)
+        .transpose()?;
     let points = cost_curve(&model, &a.cache, &a.rows, a.repeats)?;
+    if let Some(svg) = &a.svg {
+        let mut curves = super::cost_chart::curves_of(&points, "probespec");
+        curves.extend(peer.into_iter().flatten());
+        let title = format!("{name}: a block's cost over one row's");
+        let chart = super::cost_chart::render_svg(&title, &curves)?;
+        super::write_atomic(svg, chart.as_bytes())?;
+    }
     let device = format!("{:?}", model.device.location());
     let dtype = model.dtype.as_str();
     let mut text = String::new();

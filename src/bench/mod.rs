@@ -16,6 +16,7 @@
 
 pub mod chart;
 pub mod cost;
+pub mod cost_chart;
 pub mod export;
 pub mod facts;
 pub mod questions;

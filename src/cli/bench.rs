@@ -158,6 +158,13 @@ pub struct CostArgs {
     /// cache (`$PROBESPEC_COST_DIR`, else `cost/` in the model folder), replacing what was there.
     #[arg(long, conflicts_with_all = ["shape", "rows", "cache", "repeats"])]
     pub save: bool,
+    /// Also draw the curve (a block's cost over one row's, a line per cache length) as an SVG chart.
+    #[arg(long, value_name = "FILE", conflicts_with = "save")]
+    pub svg: Option<PathBuf>,
+    /// llama-bench's JSON output on the same model (`llama-bench -o json -p 1,2,4,... -n 0 -d C`), drawn
+    /// dashed beside probespec's curve in the --svg chart.
+    #[arg(long, value_name = "FILE", requires = "svg")]
+    pub peer: Option<PathBuf>,
 }
 
 impl CostArgs {
@@ -170,6 +177,8 @@ impl CostArgs {
             repeats: self.repeats,
             json: self.json,
             save: self.save,
+            svg: self.svg.clone(),
+            peer: self.peer.clone(),
         }
     }
 }

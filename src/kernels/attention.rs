@@ -6,7 +6,7 @@
 //! 1. every score is `dot(q, k_j) · scale + bias_j`, the dot product one chain of fused multiply-adds
 //!    over the head dimension in order (`s = fma(q_d, k_jd, s)` from 0);
 //! 2. `max` over the visible scores (exact in any order);
-//! 3. `p_t = exp(s_t - max)` for the t-th visible key, by one fixed polynomial ([`exp_nonpositive`]);
+//! 3. `p_t = exp(s_t - max)` for the t-th visible key, by one fixed polynomial (`exp_nonpositive`);
 //! 4. `sum = Σ p_t` in 16 lanes by visible position (lane `t mod 16`), then a fixed tree;
 //! 5. `o = Σ p_t · v_t` as one fused multiply-add chain per output element, in visible order;
 //!    then `o · (1 / sum)`.

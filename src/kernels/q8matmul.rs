@@ -363,7 +363,7 @@ const fn high_bits_at(f: PackedFormat, t: usize) -> (usize, u32) {
 /// - the weights as 64-byte chunks, bytes `4l .. 4l + 4` of a chunk belonging to row `l` of the group:
 ///   for every format but Q8_0 chunk `t` (0..4) holds the low 4 bits of values `4t + i` in the low
 ///   nibbles and of `16 + 4t + i` in the high ones; Q5_K and Q6_K follow them with one and two chunks
-///   of their values' high bits ([`high_bits_at`]); Q8_0's chunk `t` (0..8) holds values `4t + i`, a
+///   of their values' high bits (`high_bits_at`); Q8_0's chunk `t` (0..8) holds values `4t + i`, a
 ///   byte each.
 ///
 /// So a weight costs what it costs in the GGUF file, give or take a byte per 16 rows and super-block
@@ -855,7 +855,7 @@ pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut 
     matmul_quantized_many(isa, a, &[w], &mut [y])
 }
 
-/// The products of the same quantised rows with several matrices (`ys[i]`: [a.rows, ws[i] rows]), as one
+/// The products of the same quantised rows with several matrices (`ys[i]`: `[a.rows, ws[i] rows]`), as one
 /// job on the kernel pool: a layer's q/k/v or gate/up projections share one quantisation of their input
 /// and one hand-off, and the small ones no longer run alone.
 ///

@@ -54,6 +54,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             model_id: model_id(a.model.model.as_deref()),
             api_key,
             started: respond::unix_now(),
+            max_body: a.max_body,
         };
         eprintln!(
             "probespec serve: {} | {} | {} | listening on http://{addr}",
@@ -65,7 +66,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
                 "no API key"
             },
         );
-        let app = routes::router(Arc::new(state), a.max_body);
+        let app = routes::router(Arc::new(state));
         axum::serve(listener, app)
             .with_graceful_shutdown(async {
                 let _ = tokio::signal::ctrl_c().await;

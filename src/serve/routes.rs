@@ -6,14 +6,14 @@ use super::error::ApiError;
 use super::queue::Queue;
 use super::respond::{self, Endpoint, Envelope};
 use crate::session::Session;
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::header;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
+use axum::http::{header, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use futures_util::StreamExt;
 use std::sync::Arc;
 use subtle::ConstantTimeEq;
 
@@ -27,12 +27,14 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// When the server started (the model's `created`).
     pub started: u64,
+    /// The longest request body accepted, in bytes (`--max-body`).
+    pub max_body: usize,
 }
 
 type Shared = Arc<AppState>;
 
 /// The application: /v1/ behind the key check, /health open (for probes), OpenAI-shaped 404 and 405.
-pub fn router(state: Shared, max_body: usize) -> Router {
+pub fn router(state: Shared) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
@@ -43,7 +45,6 @@ pub fn router(state: Shared, max_body: usize) -> Router {
         .merge(v1)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
-        .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
 
@@ -86,28 +87,50 @@ async fn models(State(state): State<Shared>) -> Response {
     .into_response()
 }
 
-/// The body, or an OpenAI-shaped error (413 past the limit).
-fn body(b: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    b.map_err(|r| {
-        ApiError::with_status(
-            r.status(),
-            format!("cannot read the request body: {}", r.body_text()),
-        )
-    })
+/// The body, or an OpenAI-shaped error (413 past `limit`). A body past the limit is still read to its end
+/// (up to four times the limit) and dropped before the answer: a client that is still sending it would
+/// otherwise meet a reset connection instead of the 413.
+async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+    let drain_cap = limit.saturating_mul(4);
+    let mut stream = body.into_data_stream();
+    let (mut bytes, mut seen) = (Vec::new(), 0usize);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            ApiError::with_status(
+                StatusCode::BAD_REQUEST,
+                format!("cannot read the request body: {e}"),
+            )
+        })?;
+        seen = seen.saturating_add(chunk.len());
+        if seen <= limit {
+            bytes.extend_from_slice(&chunk);
+        } else if seen > drain_cap {
+            break;
+        }
+    }
+    if seen > limit {
+        return Err(ApiError::with_status(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the request body is over the server's limit of {limit} bytes (--max-body)"),
+        ));
+    }
+    Ok(bytes.into())
 }
 
-async fn chat(State(state): State<Shared>, b: Result<Bytes, BytesRejection>) -> Response {
+async fn chat(State(state): State<Shared>, b: Body) -> Response {
+    let b = read_body(b, state.max_body).await;
     let run = || -> Result<_, ApiError> {
-        let bytes = body(b)?;
+        let bytes = b?;
         let req: ChatRequest = api::parse_body(&bytes)?;
         api::chat_job(&req, &state.session, &state.defaults)
     };
     answer(&state, Endpoint::Chat, run()).await
 }
 
-async fn completions(State(state): State<Shared>, b: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(State(state): State<Shared>, b: Body) -> Response {
+    let b = read_body(b, state.max_body).await;
     let run = || -> Result<_, ApiError> {
-        let bytes = body(b)?;
+        let bytes = b?;
         let req: CompletionRequest = api::parse_body(&bytes)?;
         api::completion_job(&req, &state.session, &state.defaults)
     };
