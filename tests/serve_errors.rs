@@ -31,8 +31,8 @@ fn assert_error(status: u16, v: &Value, expected: u16, needle: &str, what: &str)
 #[test]
 fn bad_requests_get_openai_shaped_4xx_and_the_server_keeps_serving() {
     let dir = tiny_dir();
-    // A small body limit. The oversized body below is larger than a loopback socket's buffers: the server
-    // must read it to its end before answering 413, or the client, still writing, meets a reset instead.
+    // A small body limit. The oversized body below (9 MB) is larger than a loopback socket's buffers: the
+    // server must read it to its end before answering 413, or the client, still writing, meets a reset.
     let s = Server::start(&["--model", dir.path().to_str().unwrap(), "--max-body", "65536"]);
     let chat = s.url("/v1/chat/completions");
     let user = json!([{"role": "user", "content": "w10 w11"}]);
@@ -135,7 +135,7 @@ fn bad_requests_get_openai_shaped_4xx_and_the_server_keeps_serving() {
     // Past the body limit: 413, still OpenAI-shaped.
     let big = format!(
         "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}",
-        "w5 ".repeat(70_000)
+        "w5 ".repeat(3_000_000)
     );
     let (got, v) = post_raw(&chat, &big, None);
     assert_error(got, &v, 413, "body", "oversized body");

@@ -97,7 +97,11 @@ pub fn run(a: &CostOptions) -> Result<()> {
     if let Some(svg) = &a.svg {
         let mut curves = super::cost_chart::curves_of(&points, "probespec");
         curves.extend(peer.into_iter().flatten());
-        let title = format!("{name}: a block's cost over one row's");
+        // A model file is named by its file name, not its whole path.
+        let short = std::path::Path::new(&name)
+            .file_name()
+            .map_or(name.clone(), |f| f.to_string_lossy().into_owned());
+        let title = format!("{short}: a block's cost over one row's");
         let chart = super::cost_chart::render_svg(&title, &curves)?;
         super::write_atomic(svg, chart.as_bytes())?;
     }

@@ -89,7 +89,7 @@ pub fn peer_curves(path: &Path) -> Result<Vec<Curve>> {
     Ok(curves)
 }
 
-/// The chart as SVG text: rows on a log2 axis, cost / cost(1) on a linear one, the line y = 1 (a block
+/// The chart as SVG text: rows on a log2 axis (labelled at powers of two), cost / cost(1) on a linear one, the line y = 1 (a block
 /// as cheap as a row) and y = rows (no cheaper than its rows one by one) for reference.
 pub fn render_svg(title: &str, curves: &[Curve]) -> Result<String> {
     let err = |e: DrawingAreaErrorKind<std::io::Error>| anyhow!("cost chart: {e}");
@@ -113,21 +113,24 @@ pub fn render_svg(title: &str, curves: &[Curve]) -> Result<String> {
             .margin(14)
             .x_label_area_size(40)
             .y_label_area_size(52)
-            .build_cartesian_2d((1f64..max_rows as f64).log_scale(), 0f64..y_max)
+            .build_cartesian_2d(0f64..(max_rows as f64).log2(), 0f64..y_max)
             .map_err(err)?;
         chart
             .configure_mesh()
+            .light_line_style(WHITE)
             .x_desc("rows in the block")
             .y_desc("cost / cost of one row")
-            .x_label_formatter(&|x| format!("{x:.0}"))
+            // x is log2(rows): labelled at the powers of two.
+            .x_labels(max_rows.ilog2() as usize + 1)
+            .x_label_formatter(&|x| format!("{:.0}", x.exp2()))
             .y_label_formatter(&|y| format!("{y:.1}"))
             .draw()
             .map_err(err)?;
         let grey = BLACK.mix(0.35);
         let diagonal: Vec<(f64, f64)> = (0..=64)
             .map(|i| {
-                let r = (max_rows as f64).powf(i as f64 / 64.0);
-                (r, r.min(y_max))
+                let x = (max_rows as f64).log2() * i as f64 / 64.0;
+                (x, x.exp2().min(y_max))
             })
             .collect();
         chart
@@ -137,13 +140,13 @@ pub fn render_svg(title: &str, curves: &[Curve]) -> Result<String> {
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], grey.stroke_width(1)));
         chart
             .draw_series(std::iter::once(PathElement::new(
-                vec![(1.0, 1.0), (max_rows as f64, 1.0)],
+                vec![(0.0, 1.0), ((max_rows as f64).log2(), 1.0)],
                 grey.stroke_width(1),
             )))
             .map_err(err)?;
         for (i, c) in curves.iter().enumerate() {
             let color = Palette99::pick(i).to_rgba();
-            let pts: Vec<(f64, f64)> = c.points.iter().map(|&(r, y)| (r as f64, y)).collect();
+            let pts: Vec<(f64, f64)> = c.points.iter().map(|&(r, y)| ((r as f64).log2(), y)).collect();
             let style = color.stroke_width(2);
             let series = if c.dashed {
                 chart.draw_series(DashedLineSeries::new(pts.clone(), 6, 4, style))

@@ -88,10 +88,10 @@ async fn models(State(state): State<Shared>) -> Response {
 }
 
 /// The body, or an OpenAI-shaped error (413 past `limit`). A body past the limit is still read to its end
-/// (up to four times the limit) and dropped before the answer: a client that is still sending it would
-/// otherwise meet a reset connection instead of the 413.
+/// (up to four times the limit, at least 16 MiB) and dropped before the answer: a client that is still
+/// sending it would otherwise meet a reset connection instead of the 413.
 async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
-    let drain_cap = limit.saturating_mul(4);
+    let drain_cap = limit.saturating_mul(4).max(16 << 20);
     let mut stream = body.into_data_stream();
     let (mut bytes, mut seen) = (Vec::new(), 0usize);
     while let Some(chunk) = stream.next().await {
