@@ -30,6 +30,6 @@ bench: model
 check-metal:
 	./scripts/check-metal.sh
 
-# scripts/gpu-check.sh's steps on the CPU through a GPU device's code path (10-20 minutes on 2 cores).
+# scripts/gpu-check.sh's steps on the CPU through a GPU device's code path (about 4 minutes once `make test` built the tests; CI runs it).
 gpu-check-cpu: model
 	./scripts/gpu-check.sh --device cpu

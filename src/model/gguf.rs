@@ -1,5 +1,5 @@
 //! GGUF files: the model's shape from the metadata, each tensor dequantised, repacked for the CPU
-//! kernels or handed to candle's quantised matmul ([`GgufMatrix`]), and the tensors' placement checked
+//! kernels or handed to candle's quantised matmul (`GgufMatrix`), and the tensors' placement checked
 //! against the file before anything is read.
 
 use super::load::{check_vocab, Activations, LoadOptions, LoadedModel};
