@@ -48,7 +48,7 @@ pub const EXPLORE_SHARE: f64 = 0.01;
 pub const WIN_BACK_SHARE: f64 = 0.25;
 
 /// Accepted levels whose logits the verifier's first projection usually holds already (it fetches the
-/// first-child path ahead, up to [`LOGIT_ROWS`](super::generate::LOGIT_ROWS) rows).
+/// first-child path ahead, up to [`LOGIT_ROWS`](super::cost::LOGIT_ROWS) rows).
 const PREFETCHED_LEVELS: f64 = 3.0;
 
 /// A block a drafter could send.

@@ -12,6 +12,9 @@ use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
 use std::time::{Duration, Instant};
 
+/// Most rows of one vocabulary projection while verifying: the visited node and what it may need next.
+pub const LOGIT_ROWS: usize = 8;
+
 /// Cache lengths timed (those that leave room for the largest block in the context window).
 pub const TIMED_CONTEXTS: [usize; 3] = [64, 256, 1024];
 /// Block sizes timed; costs in between are interpolated, beyond extrapolated (the curve is linear there:
@@ -379,7 +382,7 @@ fn resize(model: &Transformer, len: usize, cache: &mut KvCache) -> Result<()> {
 
 /// Seconds of one decoding step: the block of tokens `block` after the cache's committed rows, under an
 /// additive mask (a tree's shape does not change the cost), then the verifier's first vocabulary
-/// projection (up to [`LOGIT_ROWS`](crate::decode::generate::LOGIT_ROWS) rows) read back to the host; the
+/// projection (up to [`LOGIT_ROWS`] rows) read back to the host; the
 /// cache is rolled back afterwards.
 pub fn time_step(model: &Transformer, block: &[u32], cache: &mut KvCache) -> Result<f64> {
     let (ctx, rows) = (cache.len(), block.len());
@@ -394,7 +397,7 @@ pub fn time_step(model: &Transformer, block: &[u32], cache: &mut KvCache) -> Res
     let t = Instant::now();
     let h = model.forward(&x, &positions, &mask, cache)?;
     // As the verifier's first projection: the root and what it fetches ahead.
-    let first: Vec<usize> = (0..rows.min(crate::decode::generate::LOGIT_ROWS)).collect();
+    let first: Vec<usize> = (0..rows.min(LOGIT_ROWS)).collect();
     model.logits(&h, &first)?.to_vec2::<f32>()?;
     let dt = t.elapsed().as_secs_f64();
     cache.truncate(ctx);
