@@ -36,6 +36,20 @@ fn size_class(rows: usize) -> usize {
     (ceil_log2 - 1).min(SIZE_CLASSES - 1)
 }
 
+/// Classes of the measured cost correction: one row (a plain step), then blocks by [`size_class`].
+const COST_CLASSES: usize = SIZE_CLASSES + 1;
+
+fn cost_class(rows: usize) -> usize {
+    if rows <= 1 {
+        0
+    } else {
+        1 + size_class(rows)
+    }
+}
+
+/// Steps' worth of evidence that a class's cost is the curve's, before its measured steps count.
+const COST_PRIOR_STEPS: f64 = 3.0;
+
 /// While plain decoding is chosen, after this many plain steps one small block explores ...
 pub const EXPLORE_EVERY: usize = 8;
 /// ... and after each exploration that does not bring speculation back, twice as many, up to this ...
@@ -89,6 +103,15 @@ pub struct Chooser {
     class_accepted: [f64; SIZE_CLASSES],
     /// The offer chosen this step, until [`Chooser::record`].
     pending: Option<Pending>,
+    /// Measured over curve seconds of the steps taken, summed per [`cost_class`], and their counts. The
+    /// curve was timed once, in about a second, on a machine whose load changes: a noisy timing can price
+    /// a block of 4 rows as cheap as one row (seen here: f32 weights, where every step then sent a block
+    /// that could not pay). What the steps really took corrects the curve, class by class.
+    cost_ratio_sum: [f64; COST_CLASSES],
+    cost_steps: [f64; COST_CLASSES],
+    /// The class and curve seconds of this step's choice (plain and exploring steps too), until
+    /// [`Chooser::record`].
+    last_priced: Option<(usize, f64)>,
     /// Rows of the drafter's exploring block.
     explore_rows: usize,
     /// Curve seconds of every step chosen so far, of what the explorations cost beyond plain steps,
@@ -120,6 +143,9 @@ impl Chooser {
             class_promised: [0.0; SIZE_CLASSES],
             class_accepted: [0.0; SIZE_CLASSES],
             pending: None,
+            cost_ratio_sum: [0.0; COST_CLASSES],
+            cost_steps: [0.0; COST_CLASSES],
+            last_priced: None,
             explore_rows: 2,
             spent: 0.0,
             explored: 0.0,
@@ -164,6 +190,12 @@ impl Chooser {
     /// What the step the last [`Chooser::choose`] decided committed (drafts accepted + the bonus token);
     /// sharpens [`Chooser::calibration`]. A step the loop did not verify as drafted teaches nothing.
     pub fn record(&mut self, step: &Step) {
+        if let Some((class, priced)) = self.last_priced.take() {
+            if !step.replaced && step.seconds > 0.0 && priced > 0.0 {
+                self.cost_ratio_sum[class] += (step.seconds / priced).clamp(0.25, 4.0);
+                self.cost_steps[class] += 1.0;
+            }
+        }
         if let Some(p) = self.pending.take() {
             if !step.replaced {
                 let accepted = step.committed.len().saturating_sub(1) as f64;
@@ -176,6 +208,18 @@ impl Chooser {
         }
     }
 
+    /// How much more (or less) than the curve's price the steps of `rows` rows took, from
+    /// [`COST_PRIOR_STEPS`] steps at 1 (the curve) and every measured step.
+    pub fn cost_factor(&self, rows: usize) -> f64 {
+        let c = cost_class(rows);
+        (self.cost_ratio_sum[c] + COST_PRIOR_STEPS) / (self.cost_steps[c] + COST_PRIOR_STEPS)
+    }
+
+    /// A block's cost after `context` cached tokens: the curve's, corrected by what such steps took.
+    fn cost(&self, rows: usize, context: usize) -> f64 {
+        self.curve.cost(rows, context) * self.cost_factor(rows)
+    }
+
     /// Expected committed tokens per second of `offer` after `context` cached tokens.
     pub fn rate(&self, offer: Offer, context: usize) -> f64 {
         let offer = Offer {
@@ -185,7 +229,7 @@ impl Chooser {
         // The curve's cost includes the verifier's first projection, which also covers the first few
         // levels of the drafter's best path; deeper accepted levels take a projection each.
         let levels = (offer.tokens - 1.0 - PREFETCHED_LEVELS).max(0.0);
-        offer.tokens / (self.curve.cost(offer.rows, context) + levels * self.curve.extra_logits_seconds)
+        offer.tokens / (self.cost(offer.rows, context) + levels * self.curve.extra_logits_seconds)
     }
 
     /// The best of `offers` after `context` cached tokens, or plain decoding when none beats it (ties
@@ -196,6 +240,7 @@ impl Chooser {
     pub fn choose(&mut self, context: usize, offers: &[Offer]) -> Choice {
         self.pending = None;
         let plain_seconds = self.curve.cost(1, context);
+        self.last_priced = Some((cost_class(1), plain_seconds));
         if offers.is_empty() {
             self.spent += plain_seconds;
             return Choice::Plain;
@@ -212,6 +257,7 @@ impl Chooser {
                 self.plain_run = 0;
                 self.explore_after = EXPLORE_EVERY;
                 let seconds = self.curve.cost(offers[i].rows, context);
+                self.last_priced = Some((cost_class(offers[i].rows), seconds));
                 self.spent += seconds;
                 self.pending = Some(Pending {
                     promised: (offers[i].tokens - 1.0).max(0.0),
@@ -231,6 +277,7 @@ impl Chooser {
                     self.explore_after = (2 * self.explore_after).min(EXPLORE_EVERY_MAX);
                     self.explored += extra;
                     self.spent += plain_seconds + extra;
+                    self.last_priced = Some((cost_class(self.explore_rows), plain_seconds + extra));
                     Choice::Explore
                 } else {
                     self.spent += plain_seconds;
@@ -447,6 +494,7 @@ mod tests {
             committed: &[5, 6],
             probe_logits: &[],
             replaced: false,
+            seconds: 0.0,
         };
         let pays = [Offer { rows: 2, tokens: 1.9 }];
         let never_pays = [Offer { rows: 2, tokens: 1.2 }];
@@ -480,6 +528,7 @@ mod tests {
             committed: &[7],
             probe_logits: &[],
             replaced: false,
+            seconds: 0.0,
         };
         for _ in 0..20 {
             if let Choice::Offer(_) = c.choose(64, &chain(0.9, 8)) {
@@ -497,6 +546,45 @@ mod tests {
         assert_eq!(c.calibration(), before);
     }
 
+    /// A curve that prices 4 rows as cheap as one (a noisy timing) makes an offer look worth it that is
+    /// not: the steps' measured seconds (a 4-row block takes 2.5 plain steps here) turn the choice back to
+    /// plain decoding after a few blocks; where the steps take what the curve says, the offer is kept.
+    /// Every block commits what it promised, so the acceptance calibration stays at 1 and only the cost
+    /// decides.
+    #[test]
+    fn measured_step_times_correct_a_curve_that_prices_blocks_too_cheap() {
+        let offer = [Offer { rows: 4, tokens: 2.0 }];
+        let step = |committed: &'static [u32], seconds: f64| Step {
+            accepted: &[1][..committed.len() - 1],
+            committed,
+            probe_logits: &[],
+            replaced: false,
+            seconds,
+        };
+        let mut c = chooser(|_, _| 1.0);
+        let mut blocks = 0;
+        for _ in 0..60 {
+            match c.choose(64, &offer) {
+                Choice::Offer(_) => {
+                    blocks += 1;
+                    c.record(&step(&[5, 6], 2.5));
+                }
+                _ => c.record(&step(&[5], 1.0)),
+            }
+        }
+        assert!(
+            (3..=8).contains(&blocks),
+            "{blocks} blocks sent at a measured loss"
+        );
+        assert!(c.cost_factor(4) > 1.8, "{}", c.cost_factor(4));
+        assert!((c.cost_factor(1) - 1.0).abs() < 1e-9);
+        let mut c = chooser(|_, _| 1.0);
+        for _ in 0..60 {
+            assert_eq!(c.choose(64, &offer), Choice::Offer(0));
+            c.record(&step(&[5, 6], 1.0));
+        }
+    }
+
     #[test]
     fn each_block_size_is_calibrated_on_its_own() {
         assert_eq!(
@@ -509,6 +597,7 @@ mod tests {
             committed,
             probe_logits: &[],
             replaced: false,
+            seconds: 0.0,
         };
         // Large blocks promise 4 drafted tokens and commit 1; small ones promise 1 and commit 1.
         let large = [Offer { rows: 8, tokens: 5.0 }];

@@ -64,6 +64,9 @@ pub struct Step<'a> {
     /// The loop verified the root alone instead of the drafter's proposal (it did not fit in the context
     /// window or the cache), so `accepted` refers to no node of the proposal.
     pub replaced: bool,
+    /// Wall seconds of the step's forward pass and vocabulary projections: what the cost curve prices
+    /// (0 after prefill).
+    pub seconds: f64,
 }
 
 #[derive(Debug, Clone)]
@@ -231,6 +234,7 @@ pub fn generate_in(
             committed: &[first],
             probe_logits: &logits[1..],
             replaced: false,
+            seconds: 0.0,
         },
     )?;
     stats.prefill_seconds = t0.elapsed().as_secs_f64();
@@ -302,7 +306,8 @@ pub fn generate_in(
 
         let t_fwd = Instant::now();
         let hidden = model.forward(&x, &positions, &mask, cache)?;
-        stats.forward_seconds += t_fwd.elapsed().as_secs_f64();
+        let forward_seconds = t_fwd.elapsed().as_secs_f64();
+        stats.forward_seconds += forward_seconds;
 
         // Walk down the tree computing logits lazily: at each visited node its own row plus the probe rows
         // its owner would hand back, and ahead of need those of its first-child path (the drafter's best
@@ -358,6 +363,7 @@ pub fn generate_in(
                 committed: &pending,
                 probe_logits: &probe_logits,
                 replaced,
+                seconds: forward_seconds + logits.seconds,
             },
         )?;
         stats.bookkeeping_seconds += t_book.elapsed().as_secs_f64();

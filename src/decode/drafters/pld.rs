@@ -242,6 +242,7 @@ mod tests {
             committed: &[4, 5, 0],
             probe_logits: &[],
             replaced: false,
+            seconds: 0.0,
         };
         flat.learn(&step);
         assert_eq!(flat.rates[&(3, 1)].accepted, 2.0);
