@@ -1086,16 +1086,19 @@ mod portable {
 /// hardware prefetcher alone left the arithmetic waiting on loads: on SmolLM2 (`probespec cost`, 2
 /// threads, nothing cached) prefetching 4 blocks ahead took one row 5.6 -> 4.9 ms and 8 rows 10.3 ->
 /// 8.5 ms with AVX-512 VNNI, 6.5 -> 5.0 and 13.8 -> 11.0 ms with AVX2; 2, 8 and 16 blocks measured
-/// within noise of 4.
+/// within noise of 4 there. At Llama-3.2-1B's shapes, whose products stream tens of MB, 16 blocks ahead
+/// into the outer caches (`prefetcht2`) beat 4 into L1 by 5-25% at one row (`real_shape_timing`, 3
+/// interleaved rounds on the EPYC Zen 5: medians of Q4_K 8192 x 2048 0.368 -> 0.327 ms, Q8_0 0.638 ->
+/// 0.481, the Q6_K vocabulary 7.55 -> 7.07), and 32 blocks or no prefetch at all did no better.
 #[cfg(target_arch = "x86_64")]
-const PREFETCH_BLOCKS: usize = 4;
+const PREFETCH_BLOCKS: usize = 16;
 
 /// Asks for the group-block `PREFETCH_BLOCKS` ahead of `blk` (`st` bytes each), past the matrix's end
 /// included (harmless).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_ahead(blk: *const u8, st: usize) {
-    super::prefetch_l1(blk.wrapping_add(PREFETCH_BLOCKS * st), st);
+    super::prefetch_l2(blk.wrapping_add(PREFETCH_BLOCKS * st), st);
 }
 
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
@@ -1252,51 +1255,58 @@ macro_rules! avx256_variant {
                     let q = blk.add(hb);
                     // The activation quads of row r, block b: 8 × 4 bytes.
                     let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
-                    // Q6_K's second half goes to `isum2`; every other format uses `isum` alone.
-                    let mut isum = [_mm256_setzero_si256(); R];
-                    let mut isum2 = [_mm256_setzero_si256(); R];
-                    if f.four_bit() {
-                        for t in 0..4 {
-                            let v = _mm256_loadu_si256(q.add(64 * t + 32 * h).cast());
-                            let lo = _mm256_and_si256(v, low);
-                            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                            for (r, s) in isum.iter_mut().enumerate() {
-                                let x0 = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
-                                let x1 = _mm256_set1_epi32(xq(r).add(t + 4).read_unaligned());
-                                *s = dot_nibbles(*s, lo, x0, hi, x1);
-                            }
-                        }
-                    } else {
-                        for t in 0..8 {
-                            let u = quad(f, q, t, h);
-                            let sums = if f.split() && t >= 4 {
-                                &mut isum2
-                            } else {
-                                &mut isum
-                            };
-                            for (r, s) in sums.iter_mut().enumerate() {
-                                let xv = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
-                                *s = dot_bytes(*s, u, xv, f == PackedFormat::Q8_0);
-                            }
-                        }
-                    }
                     let [h0, h1] = heads(f, blk, sup, h);
-                    for (r, acc_r) in acc.iter_mut().enumerate() {
-                        let ab = (r0 + r) * nb + b;
-                        let dx = _mm256_set1_ps(*a.d.get_unchecked(ab));
-                        let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
-                        if f.split() {
-                            let s0 = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(c * sum_lo));
-                            let s1 = _mm256_sub_epi32(isum2[r], _mm256_set1_epi32(c * (sum - sum_lo)));
-                            *acc_r = _mm256_fmadd_ps(_mm256_mul_ps(h0, dx), _mm256_cvtepi32_ps(s0), *acc_r);
-                            *acc_r = _mm256_fmadd_ps(_mm256_mul_ps(h1, dx), _mm256_cvtepi32_ps(s1), *acc_r);
+                    // Q6_K's halves are summed and added one after the other (their own scales), so only
+                    // one half's sums are live (both spilled registers at 8 rows).
+                    for half in 0..if f.split() { 2 } else { 1 } {
+                        let mut isum = [_mm256_setzero_si256(); R];
+                        if f.four_bit() {
+                            for t in 0..4 {
+                                let v = _mm256_loadu_si256(q.add(64 * t + 32 * h).cast());
+                                let lo = _mm256_and_si256(v, low);
+                                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
+                                for (r, s) in isum.iter_mut().enumerate() {
+                                    let x0 = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
+                                    let x1 = _mm256_set1_epi32(xq(r).add(t + 4).read_unaligned());
+                                    *s = dot_nibbles(*s, lo, x0, hi, x1);
+                                }
+                            }
                         } else {
-                            let s = finish(isum[r], f);
-                            let s = _mm256_sub_epi32(s, _mm256_set1_epi32(c * sum));
-                            *acc_r = _mm256_fmadd_ps(_mm256_mul_ps(h0, dx), _mm256_cvtepi32_ps(s), *acc_r);
-                            if f.two_heads() {
-                                let sx = _mm256_set1_ps(*a.s.get_unchecked(ab));
-                                *acc_r = _mm256_fmadd_ps(h1, sx, *acc_r);
+                            let quads = if f.split() {
+                                4 * half..4 * half + 4
+                            } else {
+                                0..8
+                            };
+                            for t in quads {
+                                let u = quad(f, q, t, h);
+                                for (r, s) in isum.iter_mut().enumerate() {
+                                    let xv = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
+                                    *s = dot_bytes(*s, u, xv, f == PackedFormat::Q8_0);
+                                }
+                            }
+                        }
+                        for (r, acc_r) in acc.iter_mut().enumerate() {
+                            let ab = (r0 + r) * nb + b;
+                            let dx = _mm256_set1_ps(*a.d.get_unchecked(ab));
+                            let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
+                            if f.split() {
+                                let (hs, part) = if half == 0 {
+                                    (h0, sum_lo)
+                                } else {
+                                    (h1, sum - sum_lo)
+                                };
+                                let s = _mm256_sub_epi32(isum[r], _mm256_set1_epi32(c * part));
+                                *acc_r =
+                                    _mm256_fmadd_ps(_mm256_mul_ps(hs, dx), _mm256_cvtepi32_ps(s), *acc_r);
+                            } else {
+                                let s = finish(isum[r], f);
+                                let s = _mm256_sub_epi32(s, _mm256_set1_epi32(c * sum));
+                                *acc_r =
+                                    _mm256_fmadd_ps(_mm256_mul_ps(h0, dx), _mm256_cvtepi32_ps(s), *acc_r);
+                                if f.two_heads() {
+                                    let sx = _mm256_set1_ps(*a.s.get_unchecked(ab));
+                                    *acc_r = _mm256_fmadd_ps(h1, sx, *acc_r);
+                                }
                             }
                         }
                     }
@@ -1527,65 +1537,68 @@ mod avx512vnni {
                 prefetch_ahead(blk, st);
             }
             let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
-            // Each sum starts at `-c·Σq` over its values; Q6_K's second half goes to `isum2`.
-            let mut isum = [[_mm512_setzero_si512(); R]; G];
-            let mut isum2 = [[_mm512_setzero_si512(); R]; G];
-            for r in 0..R {
-                let ab = (r0 + r) * nb + b;
-                let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
-                for j in 0..G {
-                    if f.split() {
-                        isum[j][r] = _mm512_set1_epi32(-c * sum_lo);
-                        isum2[j][r] = _mm512_set1_epi32(-c * (sum - sum_lo));
-                    } else {
+            let heads: [[__m512; 2]; G] =
+                std::array::from_fn(|j| heads(f, blk[j], sg[j].add(b / SUPER * sb)));
+            // Q6_K's halves are summed and added one after the other (their own scales), so only one
+            // half's sums are live: with both, 8 rows of two groups spilled their registers.
+            for half in 0..if f.split() { 2 } else { 1 } {
+                // Each sum starts at `-c·Σq` over its values.
+                let mut isum = [[_mm512_setzero_si512(); R]; G];
+                for r in 0..R {
+                    let ab = (r0 + r) * nb + b;
+                    let (sum, sum_lo) = (*a.sum.get_unchecked(ab), *a.sum_lo.get_unchecked(ab));
+                    let sum = match (f.split(), half) {
+                        (false, _) => sum,
+                        (true, 0) => sum_lo,
+                        (true, _) => sum - sum_lo,
+                    };
+                    for j in 0..G {
                         isum[j][r] = _mm512_set1_epi32(-c * sum);
                     }
                 }
-            }
-            if f.four_bit() {
-                for t in 0..4 {
-                    let v: [__m512i; G] =
-                        std::array::from_fn(|j| _mm512_loadu_si512(blk[j].add(hb + 64 * t).cast()));
-                    let lo: [__m512i; G] = std::array::from_fn(|j| _mm512_and_si512(v[j], low));
-                    let hi: [__m512i; G] =
-                        std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), low));
-                    for r in 0..R {
-                        let x0 = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
-                        let x1 = _mm512_set1_epi32(xq(r).add(t + 4).read_unaligned());
-                        for j in 0..G {
-                            isum[j][r] =
-                                _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[j][r], lo[j], x0), hi[j], x1);
+                if f.four_bit() {
+                    for t in 0..4 {
+                        let v: [__m512i; G] =
+                            std::array::from_fn(|j| _mm512_loadu_si512(blk[j].add(hb + 64 * t).cast()));
+                        let lo: [__m512i; G] = std::array::from_fn(|j| _mm512_and_si512(v[j], low));
+                        let hi: [__m512i; G] =
+                            std::array::from_fn(|j| _mm512_and_si512(_mm512_srli_epi16::<4>(v[j]), low));
+                        for r in 0..R {
+                            let x0 = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
+                            let x1 = _mm512_set1_epi32(xq(r).add(t + 4).read_unaligned());
+                            for j in 0..G {
+                                isum[j][r] = _mm512_dpbusd_epi32(
+                                    _mm512_dpbusd_epi32(isum[j][r], lo[j], x0),
+                                    hi[j],
+                                    x1,
+                                );
+                            }
+                        }
+                    }
+                } else {
+                    let quads = if f.split() { 4 * half..4 * half + 4 } else { 0..8 };
+                    for t in quads {
+                        let u: [__m512i; G] = std::array::from_fn(|j| quad(f, blk[j].add(hb), t));
+                        for r in 0..R {
+                            let x = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
+                            for j in 0..G {
+                                isum[j][r] = _mm512_dpbusd_epi32(isum[j][r], u[j], x);
+                            }
                         }
                     }
                 }
-            } else {
-                for t in 0..8 {
-                    let u: [__m512i; G] = std::array::from_fn(|j| quad(f, blk[j].add(hb), t));
-                    let sums = if f.split() && t >= 4 {
-                        &mut isum2
-                    } else {
-                        &mut isum
-                    };
+                for j in 0..G {
+                    let h = heads[j][half];
                     for r in 0..R {
-                        let x = _mm512_set1_epi32(xq(r).add(t).read_unaligned());
-                        for j in 0..G {
-                            sums[j][r] = _mm512_dpbusd_epi32(sums[j][r], u[j], x);
-                        }
-                    }
-                }
-            }
-            for j in 0..G {
-                let [h0, h1] = heads(f, blk[j], sg[j].add(b / SUPER * sb));
-                for r in 0..R {
-                    let ab = (r0 + r) * nb + b;
-                    let dx = _mm512_set1_ps(*a.d.get_unchecked(ab));
-                    let acc_r = &mut acc[j][r];
-                    *acc_r = _mm512_fmadd_ps(_mm512_mul_ps(h0, dx), _mm512_cvtepi32_ps(isum[j][r]), *acc_r);
-                    if f.split() {
+                        let ab = (r0 + r) * nb + b;
+                        let dx = _mm512_set1_ps(*a.d.get_unchecked(ab));
+                        let acc_r = &mut acc[j][r];
                         *acc_r =
-                            _mm512_fmadd_ps(_mm512_mul_ps(h1, dx), _mm512_cvtepi32_ps(isum2[j][r]), *acc_r);
-                    } else if f.two_heads() {
-                        *acc_r = _mm512_fmadd_ps(h1, _mm512_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
+                            _mm512_fmadd_ps(_mm512_mul_ps(h, dx), _mm512_cvtepi32_ps(isum[j][r]), *acc_r);
+                        if f.two_heads() && !f.split() {
+                            *acc_r =
+                                _mm512_fmadd_ps(heads[j][1], _mm512_set1_ps(*a.s.get_unchecked(ab)), *acc_r);
+                        }
                     }
                 }
             }
@@ -2029,6 +2042,53 @@ mod tests {
                 let two = time();
                 println!("{n:5} {k:5} {m:3}: {one:8.1} {two:8.1}");
             }
+        }
+    }
+
+    /// `cargo test --release --lib q8matmul::tests::real_shape_timing -- --ignored --nocapture`: ms per
+    /// call (median) and GB/s of the weights read, on the default pool, for Llama-3.2-1B's products in
+    /// the formats of its Q4_K_M, Q4_0 and Q8_0 files (random weights; a product's time depends on its
+    /// shape and format only), weights cycled through enough copies to come from memory.
+    #[test]
+    #[ignore]
+    fn real_shape_timing() {
+        let mut rng = StdRng::seed_from_u64(28);
+        let only = std::env::var("FORMATS").unwrap_or_default();
+        println!("format n k: ms per call (GB/s) at m = 1, 8; ns per group-block at m = 1");
+        for (format, n, k) in [
+            (PackedFormat::Q4K, 8192, 2048),
+            (PackedFormat::Q4K, 2048, 2048),
+            (PackedFormat::Q6K, 2048, 8192),
+            (PackedFormat::Q6K, 128256, 2048),
+            (PackedFormat::Q4_0, 8192, 2048),
+            (PackedFormat::Q8_0, 8192, 2048),
+        ] {
+            if !only.is_empty() && !only.split(',').any(|f| format!("{format:?}") == f) {
+                continue;
+            }
+            let one = random_packed(&mut rng, format, n, k);
+            let copies = match std::env::var("COPIES") {
+                Ok(c) => c.parse().unwrap(),
+                Err(_) => (256 << 20) / one.bytes() + 1,
+            };
+            let w: Vec<PackedMatrix> = std::iter::once(one)
+                .chain((1..copies).map(|_| random_packed(&mut rng, format, n, k)))
+                .collect();
+            print!("{format:?} {n} {k}:");
+            for m in [1, 8] {
+                let x = random_x(&mut rng, m * k);
+                let mut y = vec![0.0f32; m * n];
+                let mut i = 0;
+                let t = crate::kernels::median_ms(0.3, || {
+                    i = (i + 1) % w.len();
+                    matmul_q8(&x, &w[i], &mut y, m)
+                });
+                print!("  {t:8.3} ({:5.1})", w[0].bytes() as f64 / t / 1e6);
+                if m == 1 {
+                    print!(" {:6.2} ns", t * 1e6 / (n / GROUP * (k / BLOCK)) as f64);
+                }
+            }
+            println!();
         }
     }
 
