@@ -1159,11 +1159,28 @@ macro_rules! avx256_variant {
                 }
             }
 
-            /// The two heads (the second 0 where unused) of lanes `8h .. 8h + 8` of the group-block at
-            /// `blk`, whose super-block scales (K-quants) are at `sup`: as [`PackedMatrix::heads`].
+            /// Lanes `8h .. 8h + 8` of a K-quant super-block's scales at `sup` as the heads multiply
+            /// them: `d` and `-dmin` (0 for Q6_K), converted once for its 8 blocks.
             #[target_feature(enable = $features)]
             #[inline]
-            unsafe fn heads(f: PackedFormat, blk: *const u8, sup: *const u8, h: usize) -> [__m256; 2] {
+            unsafe fn super_scales(f: PackedFormat, sup: *const u8, h: usize) -> [__m256; 2] {
+                let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * h).cast()));
+                if f.split() {
+                    [f16s(sup), _mm256_setzero_ps()]
+                } else {
+                    [
+                        f16s(sup),
+                        _mm256_xor_ps(f16s(sup.add(2 * GROUP)), _mm256_set1_ps(-0.0)),
+                    ]
+                }
+            }
+
+            /// The two heads (the second 0 where unused) of lanes `8h .. 8h + 8` of the group-block at
+            /// `blk`, for the K-quants from their super-block's [`super_scales`] `sup`: as
+            /// [`PackedMatrix::heads`].
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn heads(f: PackedFormat, blk: *const u8, sup: [__m256; 2], h: usize) -> [__m256; 2] {
                 let f16s = |at: *const u8| _mm256_cvtph_ps(_mm_loadu_si128(at.add(16 * h).cast()));
                 if f.k_quant() {
                     let small = |set: usize| {
@@ -1175,14 +1192,13 @@ macro_rules! avx256_variant {
                         };
                         _mm256_cvtepi32_ps(i)
                     };
-                    let d = f16s(sup);
+                    let [d, neg_dmin] = sup;
                     if f.split() {
                         [_mm256_mul_ps(d, small(0)), _mm256_mul_ps(d, small(1))]
                     } else {
-                        let m = _mm256_mul_ps(f16s(sup.add(2 * GROUP)), small(1));
                         [
                             _mm256_mul_ps(d, small(0)),
-                            _mm256_xor_ps(m, _mm256_set1_ps(-0.0)),
+                            _mm256_mul_ps(neg_dmin, small(1)),
                         ]
                     }
                 } else if f.two_heads() {
@@ -1245,9 +1261,12 @@ macro_rules! avx256_variant {
                 let wg = w.data.as_ptr().add(g * nb * st);
                 let sg = w.supers.as_ptr().add(g * (nb / SUPER) * super_bytes(f));
                 let low = _mm256_set1_epi8(15);
+                let mut sup = [_mm256_setzero_ps(); 2];
                 for b in 0..nb {
                     let blk = wg.add(b * st);
-                    let sup = sg.add(b / SUPER * super_bytes(f));
+                    if f.k_quant() && b % SUPER == 0 {
+                        sup = super_scales(f, sg.add(b / SUPER * super_bytes(f)), h);
+                    }
                     // The second half's pass finds the group's blocks in L1.
                     if h == 0 {
                         prefetch_ahead(blk, st);
@@ -1456,11 +1475,26 @@ mod avx512vnni {
         }
     }
 
-    /// The two heads (the second 0 where unused) of the group-block at `blk`, whose super-block scales
-    /// (K-quants) are at `sup`: as [`PackedMatrix::heads`].
+    /// A K-quant super-block's scales at `sup` as the heads multiply them: `d` and `-dmin` (0 for Q6_K),
+    /// converted once for its 8 blocks. `-(dmin·mn)` and `(-dmin)·mn` are the same f32.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     #[inline]
-    unsafe fn heads(f: PackedFormat, blk: *const u8, sup: *const u8) -> [__m512; 2] {
+    unsafe fn super_scales(f: PackedFormat, sup: *const u8) -> [__m512; 2] {
+        let f16s = |at: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
+        if f.split() {
+            [f16s(sup), _mm512_setzero_ps()]
+        } else {
+            let sign = _mm512_set1_epi32(i32::MIN);
+            let dmin = _mm512_castps_si512(f16s(sup.add(2 * GROUP)));
+            [f16s(sup), _mm512_castsi512_ps(_mm512_xor_si512(dmin, sign))]
+        }
+    }
+
+    /// The two heads (the second 0 where unused) of the group-block at `blk`, for the K-quants from
+    /// their super-block's [`super_scales`] `sup`: as [`PackedMatrix::heads`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+    #[inline]
+    unsafe fn heads(f: PackedFormat, blk: *const u8, sup: [__m512; 2]) -> [__m512; 2] {
         let f16s = |at: *const u8| _mm512_cvtph_ps(_mm256_loadu_si256(at.cast()));
         if f.k_quant() {
             let small = |set: usize| {
@@ -1472,16 +1506,11 @@ mod avx512vnni {
                 };
                 _mm512_cvtepi32_ps(i)
             };
-            let d = f16s(sup);
+            let [d, neg_dmin] = sup;
             if f.split() {
                 [_mm512_mul_ps(d, small(0)), _mm512_mul_ps(d, small(1))]
             } else {
-                let m = _mm512_castps_si512(_mm512_mul_ps(f16s(sup.add(2 * GROUP)), small(1)));
-                let sign = _mm512_set1_epi32(i32::MIN);
-                [
-                    _mm512_mul_ps(d, small(0)),
-                    _mm512_castsi512_ps(_mm512_xor_si512(m, sign)),
-                ]
+                [_mm512_mul_ps(d, small(0)), _mm512_mul_ps(neg_dmin, small(1))]
             }
         } else if f.two_heads() {
             [f16s(blk), f16s(blk.add(2 * GROUP))]
@@ -1513,7 +1542,8 @@ mod avx512vnni {
             _mm512_srl_epi16(hv, _mm_cvtsi32_si128(bit as i32 - 4))
         };
         let mask = if f == PackedFormat::Q6K { 0x30 } else { 0x10 };
-        _mm512_or_si512(lo, _mm512_and_si512(moved, _mm512_set1_epi8(mask)))
+        // lo | (moved & mask) in one instruction.
+        _mm512_ternarylogic_epi32::<0xF8>(lo, moved, _mm512_set1_epi8(mask))
     }
 
     /// Rows `at.r0 .. + R` against groups `at.g .. + G` (see [`At`]). Every output sees the same
@@ -1531,14 +1561,17 @@ mod avx512vnni {
         let sb = super_bytes(f);
         let sg: [*const u8; G] = std::array::from_fn(|j| w.supers.as_ptr().add((g + j) * (nb / SUPER) * sb));
         let low = _mm512_set1_epi8(15);
+        let mut sup = [[_mm512_setzero_ps(); 2]; G];
         for b in 0..nb {
+            if f.k_quant() && b % SUPER == 0 {
+                sup = std::array::from_fn(|j| super_scales(f, sg[j].add(b / SUPER * sb)));
+            }
             let blk: [*const u8; G] = std::array::from_fn(|j| wg[j].add(b * st));
             for &blk in &blk {
                 prefetch_ahead(blk, st);
             }
             let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
-            let heads: [[__m512; 2]; G] =
-                std::array::from_fn(|j| heads(f, blk[j], sg[j].add(b / SUPER * sb)));
+            let heads: [[__m512; 2]; G] = std::array::from_fn(|j| heads(f, blk[j], sup[j]));
             // Q6_K's halves are summed and added one after the other (their own scales), so only one
             // half's sums are live: with both, 8 rows of two groups spilled their registers.
             for half in 0..if f.split() { 2 } else { 1 } {
