@@ -117,13 +117,11 @@ impl PackedFormat {
         }
     }
 
-    /// Const-generic tag (for monomorphised kernels).
-    #[cfg(target_arch = "x86_64")]
+    /// Const-generic tag (for monomorphised kernels and packing).
     const fn tag(self) -> u8 {
         self as u8
     }
 
-    #[cfg(target_arch = "x86_64")]
     const fn from_tag(t: u8) -> Self {
         match t {
             0 => PackedFormat::Q4_0,
@@ -272,7 +270,8 @@ fn u16_at(b: &[u8]) -> u16 {
 }
 
 /// Block `b` (32 values) of a GGUF row: its heads (the second 0 where unused) and the 32 stored unsigned
-/// values `u` (see [`offset`]).
+/// values `u` (see [`offset`]). Inlined into [`pack_group`], where `f` is a constant.
+#[inline(always)]
 fn source(f: PackedFormat, row: &[u8], b: usize) -> (SourceHeads, [u8; BLOCK]) {
     let mut u = [0u8; BLOCK];
     let (bv, bb) = f.gguf_block();
@@ -349,6 +348,60 @@ const fn high_bits_at(f: PackedFormat, t: usize) -> (usize, u32) {
     match f {
         PackedFormat::Q6K => (t / 4, 2 * (t % 4) as u32),
         _ => (0, t as u32),
+    }
+}
+
+/// Packs one group's `n` rows (`row(l)`: row `l`'s GGUF bytes, `nb` blocks of 32) into its blocks `gdata`
+/// and, for the K-quants, its super-block scales `gsup` (see [`PackedMatrix`]); monomorphised per format
+/// so that [`source`]'s decoding has no branches on it (loading a 1B model is mostly this).
+fn pack_group<'a, const F: u8>(
+    n: usize,
+    nb: usize,
+    row: &impl Fn(usize) -> &'a [u8],
+    gdata: &mut [u8],
+    gsup: &mut [u8],
+) {
+    let f = PackedFormat::from_tag(F);
+    let (hb, st, sb) = (heads_bytes(f), stride(f), super_bytes(f));
+    for l in 0..n {
+        let src = row(l);
+        for b in 0..nb {
+            let (heads, u) = source(f, src, b);
+            let dst = &mut gdata[b * st..][..st];
+            match heads {
+                SourceHeads::F16(h) => {
+                    for (set, bits) in h.iter().enumerate().take(if f.two_heads() { 2 } else { 1 }) {
+                        dst[2 * (set * GROUP + l)..][..2].copy_from_slice(&bits.to_le_bytes());
+                    }
+                }
+                SourceHeads::K { small, sup } => {
+                    dst[l] = small[0];
+                    dst[GROUP + l] = small[1];
+                    let at = &mut gsup[b / SUPER * sb..][..sb];
+                    for (set, bits) in sup.iter().enumerate().take(sb / (2 * GROUP)) {
+                        at[2 * (set * GROUP + l)..][..2].copy_from_slice(&bits.to_le_bytes());
+                    }
+                }
+            }
+            let q = &mut dst[hb..];
+            if f.nibble_planes() {
+                for t in 0..4 {
+                    for i in 0..4 {
+                        q[64 * t + 4 * l + i] = (u[4 * t + i] & 15) | ((u[16 + 4 * t + i] & 15) << 4);
+                    }
+                }
+                for t in (0..8).filter(|_| f.high_chunks() > 0) {
+                    let (chunk, bit) = high_bits_at(f, t);
+                    for i in 0..4 {
+                        q[256 + 64 * chunk + 4 * l + i] |= (u[4 * t + i] >> 4) << bit;
+                    }
+                }
+            } else {
+                for t in 0..8 {
+                    q[64 * t + 4 * l..][..4].copy_from_slice(&u[4 * t..][..4]);
+                }
+            }
+        }
     }
 }
 
@@ -430,51 +483,27 @@ impl PackedMatrix {
         use rayon::prelude::*;
         let f = format;
         let nb = cols / BLOCK;
-        let (hb, st) = (heads_bytes(f), stride(f));
+        let st = stride(f);
         let (ns, sb) = (nb / SUPER, super_bytes(f));
         let groups = rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * nb * st];
         let mut supers = vec![0u8; groups * ns * sb];
+        let tag = f.tag();
         let pack_group = |g: usize, gdata: &mut [u8], gsup: &mut [u8]| {
-            for l in 0..GROUP.min(rows - g * GROUP) {
-                let src = row(g * GROUP + l);
-                for b in 0..nb {
-                    let (heads, u) = source(f, src, b);
-                    let dst = &mut gdata[b * st..][..st];
-                    match heads {
-                        SourceHeads::F16(h) => {
-                            for (set, bits) in h.iter().enumerate().take(if f.two_heads() { 2 } else { 1 }) {
-                                dst[2 * (set * GROUP + l)..][..2].copy_from_slice(&bits.to_le_bytes());
-                            }
-                        }
-                        SourceHeads::K { small, sup } => {
-                            dst[l] = small[0];
-                            dst[GROUP + l] = small[1];
-                            let at = &mut gsup[b / SUPER * sb..][..sb];
-                            for (set, bits) in sup.iter().enumerate().take(sb / (2 * GROUP)) {
-                                at[2 * (set * GROUP + l)..][..2].copy_from_slice(&bits.to_le_bytes());
-                            }
-                        }
-                    }
-                    let q = &mut dst[hb..];
-                    if f.nibble_planes() {
-                        for t in 0..4 {
-                            for i in 0..4 {
-                                q[64 * t + 4 * l + i] = (u[4 * t + i] & 15) | ((u[16 + 4 * t + i] & 15) << 4);
-                            }
-                        }
-                        for t in (0..8).filter(|_| f.high_chunks() > 0) {
-                            let (chunk, bit) = high_bits_at(f, t);
-                            for i in 0..4 {
-                                q[256 + 64 * chunk + 4 * l + i] |= (u[4 * t + i] >> 4) << bit;
-                            }
-                        }
-                    } else {
-                        for t in 0..8 {
-                            q[64 * t + 4 * l..][..4].copy_from_slice(&u[4 * t..][..4]);
-                        }
-                    }
-                }
+            let n = GROUP.min(rows - g * GROUP);
+            let row = |l: usize| row(g * GROUP + l);
+            const Q4_0: u8 = PackedFormat::Q4_0.tag();
+            const Q4_1: u8 = PackedFormat::Q4_1.tag();
+            const Q8_0: u8 = PackedFormat::Q8_0.tag();
+            const Q4K: u8 = PackedFormat::Q4K.tag();
+            const Q5K: u8 = PackedFormat::Q5K.tag();
+            match tag {
+                Q4_0 => pack_group::<Q4_0>(n, nb, &row, gdata, gsup),
+                Q4_1 => pack_group::<Q4_1>(n, nb, &row, gdata, gsup),
+                Q8_0 => pack_group::<Q8_0>(n, nb, &row, gdata, gsup),
+                Q4K => pack_group::<Q4K>(n, nb, &row, gdata, gsup),
+                Q5K => pack_group::<Q5K>(n, nb, &row, gdata, gsup),
+                _ => pack_group::<{ PackedFormat::Q6K.tag() }>(n, nb, &row, gdata, gsup),
             }
         };
         if sb == 0 {
