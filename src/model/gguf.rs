@@ -64,7 +64,9 @@ pub(super) fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> 
             path.display()
         );
     }
-    let ct = gguf_file::Content::read(&mut file)
+    // Buffered: the header holds the tokenizer, a few hundred thousand short strings that candle's reader
+    // takes one small read at a time (on a 128K vocabulary, half a second of system calls unbuffered).
+    let ct = gguf_file::Content::read(&mut std::io::BufReader::with_capacity(1 << 20, &mut file))
         .map_err(|e| anyhow::anyhow!("{} is not a readable GGUF file: {e}", path.display()))?;
     let file_len = file.metadata()?.len();
     for (name, info) in &ct.tensor_infos {
