@@ -209,7 +209,7 @@ impl Chooser {
     }
 
     /// How much more (or less) than the curve's price the steps of `rows` rows took, from
-    /// [`COST_PRIOR_STEPS`] steps at 1 (the curve) and every measured step.
+    /// three steps at 1 (the curve) and every measured step.
     pub fn cost_factor(&self, rows: usize) -> f64 {
         let c = cost_class(rows);
         (self.cost_ratio_sum[c] + COST_PRIOR_STEPS) / (self.cost_steps[c] + COST_PRIOR_STEPS)
