@@ -70,25 +70,31 @@ pub(crate) fn with_f32<T>(x: &Tensor, f: impl FnOnce(&[f32]) -> T) -> Result<T> 
 /// off x86_64.
 #[inline(always)]
 pub(crate) fn prefetch_l1(p: *const u8, bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
-    for l in (0..bytes).step_by(64) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: see above; `_mm_prefetch` is SSE, part of the x86_64 baseline.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(l).cast()) };
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, bytes);
+    prefetch_lines::<0>(p, bytes)
 }
 
 /// As [`prefetch_l1`], into the outer caches only (`prefetcht2`): for reads far enough ahead that lines
 /// brought into L1 would crowd out what the arithmetic is using.
 #[inline(always)]
 pub(crate) fn prefetch_l2(p: *const u8, bytes: usize) {
+    prefetch_lines::<2>(p, bytes)
+}
+
+/// `prefetcht0` (`LEVEL` 0) or `prefetcht2` (2) on every cache line of `bytes` bytes from `p`.
+#[inline(always)]
+fn prefetch_lines<const LEVEL: u8>(p: *const u8, bytes: usize) {
     #[cfg(target_arch = "x86_64")]
     for l in (0..bytes).step_by(64) {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T2};
-        // SAFETY: as `prefetch_l1`'s.
-        unsafe { _mm_prefetch::<_MM_HINT_T2>(p.wrapping_add(l).cast()) };
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T2};
+        let at = p.wrapping_add(l).cast();
+        // SAFETY: see `prefetch_l1`; `_mm_prefetch` is SSE, part of the x86_64 baseline.
+        unsafe {
+            if LEVEL == 0 {
+                _mm_prefetch::<_MM_HINT_T0>(at)
+            } else {
+                _mm_prefetch::<_MM_HINT_T2>(at)
+            }
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, bytes);
