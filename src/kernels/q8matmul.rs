@@ -173,6 +173,39 @@ impl PackedFormat {
     }
 }
 
+/// `$call` monomorphised per format: evaluated with the const `$tag` (a [`PackedFormat::tag`]) set to
+/// `$format`'s, so that code written for one `F: u8` has no branches on the format.
+macro_rules! with_format_tag {
+    ($format:expr, $tag:ident => $call:expr) => {
+        match $format {
+            PackedFormat::Q4_0 => {
+                const $tag: u8 = PackedFormat::Q4_0.tag();
+                $call
+            }
+            PackedFormat::Q4_1 => {
+                const $tag: u8 = PackedFormat::Q4_1.tag();
+                $call
+            }
+            PackedFormat::Q8_0 => {
+                const $tag: u8 = PackedFormat::Q8_0.tag();
+                $call
+            }
+            PackedFormat::Q4K => {
+                const $tag: u8 = PackedFormat::Q4K.tag();
+                $call
+            }
+            PackedFormat::Q5K => {
+                const $tag: u8 = PackedFormat::Q5K.tag();
+                $call
+            }
+            PackedFormat::Q6K => {
+                const $tag: u8 = PackedFormat::Q6K.tag();
+                $call
+            }
+        }
+    };
+}
+
 impl From<BlockFormat> for PackedFormat {
     fn from(f: BlockFormat) -> Self {
         match f {
@@ -488,33 +521,20 @@ impl PackedMatrix {
         let groups = rows.div_ceil(GROUP);
         let mut data = vec![0u8; groups * nb * st];
         let mut supers = vec![0u8; groups * ns * sb];
-        let tag = f.tag();
-        let pack_group = |g: usize, gdata: &mut [u8], gsup: &mut [u8]| {
+        let pack = |g: usize, gdata: &mut [u8], gsup: &mut [u8]| {
             let n = GROUP.min(rows - g * GROUP);
             let row = |l: usize| row(g * GROUP + l);
-            const Q4_0: u8 = PackedFormat::Q4_0.tag();
-            const Q4_1: u8 = PackedFormat::Q4_1.tag();
-            const Q8_0: u8 = PackedFormat::Q8_0.tag();
-            const Q4K: u8 = PackedFormat::Q4K.tag();
-            const Q5K: u8 = PackedFormat::Q5K.tag();
-            match tag {
-                Q4_0 => pack_group::<Q4_0>(n, nb, &row, gdata, gsup),
-                Q4_1 => pack_group::<Q4_1>(n, nb, &row, gdata, gsup),
-                Q8_0 => pack_group::<Q8_0>(n, nb, &row, gdata, gsup),
-                Q4K => pack_group::<Q4K>(n, nb, &row, gdata, gsup),
-                Q5K => pack_group::<Q5K>(n, nb, &row, gdata, gsup),
-                _ => pack_group::<{ PackedFormat::Q6K.tag() }>(n, nb, &row, gdata, gsup),
-            }
+            with_format_tag!(f, F => pack_group::<F>(n, nb, &row, gdata, gsup))
         };
         if sb == 0 {
             data.par_chunks_mut(nb * st)
                 .enumerate()
-                .for_each(|(g, gd)| pack_group(g, gd, &mut []));
+                .for_each(|(g, gd)| pack(g, gd, &mut []));
         } else {
             data.par_chunks_mut(nb * st)
                 .zip(supers.par_chunks_mut(ns * sb))
                 .enumerate()
-                .for_each(|(g, (gd, gs))| pack_group(g, gd, gs));
+                .for_each(|(g, (gd, gs))| pack(g, gd, gs));
         }
         PackedMatrix {
             format,
@@ -1142,24 +1162,9 @@ macro_rules! avx256_variant {
 
             pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
                 assert!(g0 + out.groups <= w.groups());
-                const Q4_0: u8 = PackedFormat::Q4_0.tag();
-                const Q4_1: u8 = PackedFormat::Q4_1.tag();
-                const Q8_0: u8 = PackedFormat::Q8_0.tag();
-                const Q4K: u8 = PackedFormat::Q4K.tag();
-                const Q5K: u8 = PackedFormat::Q5K.tag();
-                const Q6K: u8 = PackedFormat::Q6K.tag();
                 // SAFETY: `matmul_quantized_with` picks this variant only if the CPU has its features;
                 // `run` stays inside `w`'s groups `g0 ..` that `out` covers and `a`'s rows.
-                unsafe {
-                    match w.format {
-                        PackedFormat::Q4_0 => run::<Q4_0>(a, w, g0, out),
-                        PackedFormat::Q4_1 => run::<Q4_1>(a, w, g0, out),
-                        PackedFormat::Q8_0 => run::<Q8_0>(a, w, g0, out),
-                        PackedFormat::Q4K => run::<Q4K>(a, w, g0, out),
-                        PackedFormat::Q5K => run::<Q5K>(a, w, g0, out),
-                        PackedFormat::Q6K => run::<Q6K>(a, w, g0, out),
-                    }
-                }
+                unsafe { with_format_tag!(w.format, F => run::<F>(a, w, g0, out)) }
             }
 
             #[target_feature(enable = $features)]
@@ -1428,23 +1433,8 @@ mod avx512vnni {
 
     pub(super) fn task(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         assert!(g0 + out.groups <= w.groups());
-        const Q4_0: u8 = PackedFormat::Q4_0.tag();
-        const Q4_1: u8 = PackedFormat::Q4_1.tag();
-        const Q8_0: u8 = PackedFormat::Q8_0.tag();
-        const Q4K: u8 = PackedFormat::Q4K.tag();
-        const Q5K: u8 = PackedFormat::Q5K.tag();
-        const Q6K: u8 = PackedFormat::Q6K.tag();
         // SAFETY: as the 256-bit variants'.
-        unsafe {
-            match w.format {
-                PackedFormat::Q4_0 => run::<Q4_0>(a, w, g0, out),
-                PackedFormat::Q4_1 => run::<Q4_1>(a, w, g0, out),
-                PackedFormat::Q8_0 => run::<Q8_0>(a, w, g0, out),
-                PackedFormat::Q4K => run::<Q4K>(a, w, g0, out),
-                PackedFormat::Q5K => run::<Q5K>(a, w, g0, out),
-                PackedFormat::Q6K => run::<Q6K>(a, w, g0, out),
-            }
-        }
+        unsafe { with_format_tag!(w.format, F => run::<F>(a, w, g0, out)) }
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -2110,7 +2100,9 @@ mod tests {
     /// `cargo test --release --lib q8matmul::tests::real_shape_timing -- --ignored --nocapture`: ms per
     /// call (median) and GB/s of the weights read, on the default pool, for Llama-3.2-1B's products in
     /// the formats of its Q4_K_M, Q4_0 and Q8_0 files (random weights; a product's time depends on its
-    /// shape and format only), weights cycled through enough copies to come from memory.
+    /// shape and format only), weights cycled through enough copies to come from memory. `FORMATS=Q4K,Q6K`
+    /// keeps some formats; `COPIES=1` keeps one copy, so that its weights stay in cache (the arithmetic's
+    /// share of the time).
     #[test]
     #[ignore]
     fn real_shape_timing() {
