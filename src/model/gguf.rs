@@ -7,7 +7,7 @@ use super::{Arch, Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
 use crate::kernels::{BlockFormat, BlockMatrix, PackedFormat, PackedMatrix};
 use crate::tokenizer::TextTokenizer;
 use anyhow::{bail, Context, Result};
-use candle_core::quantized::{gguf_file, GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{ggml_file as gguf_ggml, gguf_file, GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -86,8 +86,9 @@ pub(super) fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> 
     let config = gguf_config(&ct).with_context(|| format!("{} is not a usable model", path.display()))?;
     let tokenizer =
         TextTokenizer::from_gguf(&ct.metadata).with_context(|| format!("tokenizer of {}", path.display()))?;
-    let model = build_from_gguf(&ct, config, &mut file, opts)
-        .with_context(|| format!("loading {}", path.display()))?;
+    let data = TensorData::open(file);
+    let model =
+        build_from_gguf(&ct, config, &data, opts).with_context(|| format!("loading {}", path.display()))?;
     check_vocab(&model, &tokenizer)?;
     Ok(LoadedModel {
         model,
@@ -96,27 +97,106 @@ pub(super) fn load_gguf(path: &Path, opts: &LoadOptions) -> Result<LoadedModel> 
     })
 }
 
+/// Where the tensors' bytes come from: the file mapped into memory, so that a tensor is read in place by
+/// whatever keeps it (repacking, dequantising, or candle's copy), or read into a buffer where the file
+/// cannot be mapped. candle's own reader reads each tensor into one buffer and copies it into a second:
+/// on a 1B model that is 1.6 GB of freshly zeroed pages, most of the loading time.
+enum TensorData {
+    Mapped(memmap2::Mmap),
+    Read(std::cell::RefCell<std::fs::File>),
+}
+
+/// One GGUF tensor as stored: its name, type, dims (outermost first) and bytes.
+struct RawTensor<'a> {
+    name: String,
+    dtype: GgmlDType,
+    dims: Vec<usize>,
+    bytes: std::borrow::Cow<'a, [u8]>,
+}
+
+impl RawTensor<'_> {
+    fn qtensor(&self, dev: &Device) -> Result<QTensor> {
+        gguf_ggml::qtensor_from_ggml(self.dtype, &self.bytes, self.dims.clone(), dev)
+            .map_err(|e| anyhow::anyhow!("tensor {}: {e}", self.name))
+    }
+}
+
+impl TensorData {
+    fn open(file: std::fs::File) -> Self {
+        // SAFETY: the mapping is read only and lives only while the model is built; every tensor's
+        // extent was checked against the file's length. A file truncated by another process meanwhile
+        // would fault (as it would for llama.cpp, which maps GGUF files the same way).
+        match unsafe { memmap2::Mmap::map(&file) } {
+            Ok(map) => {
+                let _ = map.advise(memmap2::Advice::Sequential);
+                TensorData::Mapped(map)
+            }
+            Err(_) => TensorData::Read(std::cell::RefCell::new(file)),
+        }
+    }
+
+    /// Tensor `name`'s bytes (its extent is checked in `load_gguf`).
+    fn tensor<'a>(&'a self, ct: &gguf_file::Content, name: &str) -> Result<RawTensor<'a>> {
+        let info = ct
+            .tensor_infos
+            .get(name)
+            .with_context(|| format!("tensor {name} is missing"))?;
+        let start = (ct.tensor_data_offset + info.offset) as usize;
+        let len = tensor_end(ct.tensor_data_offset, info).context("impossible size")? as usize - start;
+        let bytes = match self {
+            TensorData::Mapped(map) => std::borrow::Cow::Borrowed(&map[start..start + len]),
+            TensorData::Read(file) => {
+                use std::io::{Read, Seek, SeekFrom};
+                let mut file = file.borrow_mut();
+                let mut buf = vec![0u8; len];
+                file.seek(SeekFrom::Start(start as u64))?;
+                file.read_exact(&mut buf)
+                    .with_context(|| format!("reading tensor {name}"))?;
+                std::borrow::Cow::Owned(buf)
+            }
+        };
+        Ok(RawTensor {
+            name: name.to_string(),
+            dtype: info.ggml_dtype,
+            dims: info.shape.dims().to_vec(),
+            bytes,
+        })
+    }
+
+    /// Drops a tensor's mapped pages from the process once whatever keeps it has its own copy, so that
+    /// the peak memory is the model's own weights plus one tensor, not also the whole file.
+    fn release(&self, t: &RawTensor) {
+        if let (TensorData::Mapped(map), std::borrow::Cow::Borrowed(b)) = (self, &t.bytes) {
+            let offset = b.as_ptr() as usize - map.as_ptr() as usize;
+            // SAFETY: the pages are a read-only file mapping; touching them again would read the file
+            // anew, and nothing does: every reader of `t` has copied or repacked it.
+            unsafe {
+                let _ = map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, b.len());
+            }
+        }
+    }
+}
+
 fn build_from_gguf(
     ct: &gguf_file::Content,
     config: ModelConfig,
-    file: &mut std::fs::File,
+    data: &TensorData,
     opts: &LoadOptions,
 ) -> Result<Transformer> {
     let dev = &opts.device;
     let params: usize = ct.tensor_infos.values().map(|i| i.shape.elem_count()).sum();
-    let mut read = |name: &str| -> Result<QTensor> {
-        ct.tensor(file, name, dev)
-            .map_err(|e| anyhow::anyhow!("tensor {name}: {e}"))
-    };
+    let read = |name: &str| -> Result<RawTensor> { data.tensor(ct, name) };
     let c = &config;
-    let dense = |q: &QTensor| -> Result<Tensor> { Ok(q.dequantize(dev)?.to_dtype(opts.dtype)?) };
+    // Each tensor is turned into what the model keeps, then its file pages are released.
+    let dense =
+        |t: &RawTensor| -> Result<Tensor> { Ok(t.qtensor(dev)?.dequantize(dev)?.to_dtype(opts.dtype)?) };
     // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
     // reorder them so one RoPE convention serves every format: dense, block and packed weights get
     // their rows reordered, candle-quantised ones their outputs.
-    let linear_rows = |q: QTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
-        Ok(match gguf_matrix(q.dtype(), dev, params, opts) {
+    let linear_rows = |t: RawTensor, rows: Option<Vec<u32>>| -> Result<Linear> {
+        let linear = match gguf_matrix(t.dtype, dev, params, opts) {
             GgufMatrix::Dense => {
-                let w = dense(&q)?;
+                let w = dense(&t)?;
                 let w = match rows {
                     Some(r) => w.index_select(&Tensor::new(r.as_slice(), dev)?, 0)?,
                     None => w,
@@ -124,8 +204,10 @@ fn build_from_gguf(
                 Linear::new(Weight::Dense(w), None)
             }
             GgufMatrix::Blocks(f) => {
-                let (n, k) = q.shape().dims2()?;
-                let b = BlockMatrix::new(f, n, k, q.data()?.into_owned())?;
+                let [n, k] = t.dims[..] else {
+                    bail!("tensor {} is not a matrix", t.name)
+                };
+                let b = BlockMatrix::new(f, n, k, t.bytes.to_vec())?;
                 let b = match rows {
                     Some(r) => b.select_rows(&r),
                     None => b,
@@ -133,33 +215,45 @@ fn build_from_gguf(
                 Linear::new(Weight::Blocks(b), None)
             }
             GgufMatrix::Packed(f) => {
-                let (n, k) = q.shape().dims2()?;
-                let p = PackedMatrix::from_gguf(f, n, k, &q.data()?, rows.as_deref())?;
+                let [n, k] = t.dims[..] else {
+                    bail!("tensor {} is not a matrix", t.name)
+                };
+                let p = PackedMatrix::from_gguf(f, n, k, &t.bytes, rows.as_deref())?;
                 Linear::new(Weight::Packed(Arc::new(p)), None)
             }
             GgufMatrix::Candle => {
+                let q = t.qtensor(dev)?;
                 let l = Linear::new(Weight::Quantized(QMatMul::from_arc(Arc::new(q))?), None);
                 match rows {
                     Some(r) => l.with_out_perm(Tensor::new(r.as_slice(), dev)?),
                     None => l,
                 }
             }
-        })
+        };
+        data.release(&t);
+        Ok(linear)
     };
-    let linear = |q: QTensor| linear_rows(q, None);
-    let rope_linear = |q: QTensor, heads: usize| -> Result<Linear> {
+    let linear = |t: RawTensor| linear_rows(t, None);
+    let rope_linear = |t: RawTensor, heads: usize| -> Result<Linear> {
         let rows = (c.arch == Arch::Llama).then(|| unpermute_index(heads, c.head_dim));
-        linear_rows(q, rows)
+        linear_rows(t, rows)
     };
-    let norm = |q: QTensor| -> Result<RmsNorm> { Ok(RmsNorm::new(dense(&q)?, c.rms_norm_eps)) };
+    let norm = |t: RawTensor| -> Result<RmsNorm> {
+        let norm = RmsNorm::new(dense(&t)?, c.rms_norm_eps);
+        data.release(&t);
+        Ok(norm)
+    };
     // The table stays packed where the output projection reads it so (and is shared with it when
-    // tied); the GGUF bytes are dropped as soon as they are repacked.
+    // tied).
     let (embed, tied_head) = {
-        let q = read("token_embd.weight")?;
-        match gguf_matrix(q.dtype(), dev, params, opts) {
+        let t = read("token_embd.weight")?;
+        match gguf_matrix(t.dtype, dev, params, opts) {
             GgufMatrix::Packed(f) => {
-                let (n, k) = q.shape().dims2()?;
-                let matrix = Arc::new(PackedMatrix::from_gguf(f, n, k, &q.data()?, None)?);
+                let [n, k] = t.dims[..] else {
+                    bail!("tensor {} is not a matrix", t.name)
+                };
+                let matrix = Arc::new(PackedMatrix::from_gguf(f, n, k, &t.bytes, None)?);
+                data.release(&t);
                 let head = Linear::new(Weight::Packed(matrix.clone()), None);
                 let embed = super::Embeddings::Packed {
                     matrix,
@@ -168,8 +262,14 @@ fn build_from_gguf(
                 (embed, config.tie_word_embeddings.then_some(head))
             }
             _ => {
-                let embed = super::Embeddings::Dense(dense(&q)?);
-                (embed, config.tie_word_embeddings.then(|| linear(q)).transpose()?)
+                let embed = super::Embeddings::Dense(dense(&t)?);
+                let head = if config.tie_word_embeddings {
+                    Some(linear(t)?)
+                } else {
+                    data.release(&t);
+                    None
+                };
+                (embed, head)
             }
         }
     };
@@ -204,8 +304,9 @@ fn build_from_gguf(
         None => linear(read("output.weight")?)?,
     };
     let rope_factors = if ct.tensor_infos.contains_key("rope_freqs.weight") {
+        let t = read("rope_freqs.weight")?;
         Some(
-            read("rope_freqs.weight")?
+            t.qtensor(dev)?
                 .dequantize(dev)?
                 .to_dtype(DType::F32)?
                 .to_vec1::<f32>()?,
@@ -396,4 +497,45 @@ pub fn unpermute_index(heads: usize, head_dim: usize) -> Vec<u32> {
         }
     }
     idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A mapped file and a read one give every tensor the same bytes, and releasing a mapped tensor's
+    /// pages leaves the file readable (the next read maps them in again).
+    #[test]
+    fn mapped_and_read_tensors_are_the_same_bytes() -> Result<()> {
+        let dev = Device::Cpu;
+        let a = Tensor::arange(0f32, 64.0 * 32.0, &dev)?.reshape((64, 32))?;
+        let b = Tensor::arange(0f32, 3.0 * 256.0, &dev)?
+            .reshape((3, 256))?
+            .affine(0.01, -1.0)?;
+        let qa = QTensor::quantize(&a, GgmlDType::Q4_0)?;
+        let qb = QTensor::quantize(&b, GgmlDType::Q6K)?;
+        let path = std::env::temp_dir().join(format!("probespec-mapped-{}.gguf", std::process::id()));
+        gguf_file::write(&mut std::fs::File::create(&path)?, &[], &[("a", &qa), ("b", &qb)])?;
+        let mut file = std::fs::File::open(&path)?;
+        let ct = gguf_file::Content::read(&mut file)?;
+        let mapped = TensorData::open(std::fs::File::open(&path)?);
+        assert!(matches!(mapped, TensorData::Mapped(_)));
+        let read = TensorData::Read(std::cell::RefCell::new(file));
+        for (name, q) in [("a", &qa), ("b", &qb)] {
+            let m = mapped.tensor(&ct, name)?;
+            let r = read.tensor(&ct, name)?;
+            assert_eq!((m.dtype, &m.dims), (q.dtype(), &q.shape().dims().to_vec()));
+            assert_eq!((r.dtype, &r.dims), (m.dtype, &m.dims));
+            assert_eq!(m.bytes, q.data()?, "{name}: mapped bytes");
+            assert_eq!(r.bytes, q.data()?, "{name}: read bytes");
+            mapped.release(&m);
+            assert_eq!(
+                mapped.tensor(&ct, name)?.bytes,
+                q.data()?,
+                "{name}: after release"
+            );
+        }
+        std::fs::remove_file(&path)?;
+        Ok(())
+    }
 }
