@@ -522,6 +522,9 @@ impl PackedMatrix {
         let mut data = vec![0u8; groups * nb * st];
         let mut supers = vec![0u8; groups * ns * sb];
         let pack = |g: usize, gdata: &mut [u8], gsup: &mut [u8]| {
+            // Written before anything reads it: a page whose first touch is a read is first mapped to
+            // the shared zero page and faults again, with a TLB flush on every core, when written.
+            gdata.fill(0);
             let n = GROUP.min(rows - g * GROUP);
             let row = |l: usize| row(g * GROUP + l);
             with_format_tag!(f, F => pack_group::<F>(n, nb, &row, gdata, gsup))
