@@ -121,12 +121,12 @@ pub(super) fn build(md: &HashMap<String, Value>) -> Result<GgufTokenizer> {
         None => None,
     };
 
-    // The BPE vocabulary: every token, first id wins if a (broken) file repeats a string.
-    let mut vocab = serde_json::Map::with_capacity(tokens.len());
+    // The BPE model, built directly: through tokenizer.json it would be a JSON document of the whole
+    // vocabulary and merges, written and parsed again (on a 128K vocabulary, most of a second).
+    // Every token, first id wins if a (broken) file repeats a string.
+    let mut vocab = tokenizers::models::bpe::Vocab::default();
     for (id, tok) in tokens.iter().enumerate() {
-        if !vocab.contains_key(*tok) {
-            vocab.insert((*tok).to_string(), json!(id));
-        }
+        vocab.entry((*tok).to_string()).or_insert(id as u32);
     }
     let merges = merges
         .iter()
@@ -135,10 +135,15 @@ pub(super) fn build(md: &HashMap<String, Value>) -> Result<GgufTokenizer> {
             // Byte-level tokens never contain a literal space (it is spelled 'Ġ'), so the first
             // space is the separator.
             m.split_once(' ')
-                .map(|(a, b)| json!([a, b]))
+                .map(|(a, b)| (a.to_string(), b.to_string()))
                 .ok_or_else(|| anyhow!("malformed entry #{i} in '{KEY_MERGES}': {m:?} (expected \"a b\")"))
         })
         .collect::<Result<Vec<_>>>()?;
+    let bpe = tokenizers::models::bpe::BPE::builder()
+        .vocab_and_merges(vocab, merges)
+        .ignore_merges(pre_cfg.ignore_merges)
+        .build()
+        .map_err(|e| anyhow!("building the tokenizer from GGUF metadata failed: {e}"))?;
 
     // Tokens matched whole in the raw text before pre-tokenization, as llama.cpp does for every
     // non-normal token: control (and unknown) ones are special (skipped when decoding),
@@ -146,13 +151,13 @@ pub(super) fn build(md: &HashMap<String, Value>) -> Result<GgufTokenizer> {
     let mut added = Vec::new();
     match &token_types {
         Some(types) => {
-            for (id, (tok, ty)) in tokens.iter().zip(types).enumerate() {
+            for (tok, ty) in tokens.iter().zip(types) {
                 let special = match *ty {
                     TOKEN_TYPE_CONTROL | TOKEN_TYPE_UNKNOWN => true,
                     TOKEN_TYPE_USER_DEFINED => false,
                     _ => continue,
                 };
-                added.push(added_token(id, tok, special));
+                added.push(added_token(tok, special));
             }
         }
         None => {
@@ -164,16 +169,17 @@ pub(super) fn build(md: &HashMap<String, Value>) -> Result<GgufTokenizer> {
             ids.sort_unstable();
             ids.dedup();
             for id in ids {
-                added.push(added_token(id as usize, tokens[id as usize], true));
+                added.push(added_token(tokens[id as usize], true));
             }
         }
     }
 
-    let tokenizer_json = json!({
+    // The rest as a tokenizer.json would give it (the model is replaced below).
+    let rest = json!({
         "version": "1.0",
         "truncation": null,
         "padding": null,
-        "added_tokens": added,
+        "added_tokens": [],
         "normalizer": null,
         "pre_tokenizer": pre_cfg.pre_tokenizer,
         // BOS is added by TextTokenizer::encode itself (so it is never added twice).
@@ -184,22 +190,13 @@ pub(super) fn build(md: &HashMap<String, Value>) -> Result<GgufTokenizer> {
             "trim_offsets": true,
             "use_regex": true
         },
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": pre_cfg.ignore_merges,
-            "vocab": vocab,
-            "merges": merges
-        }
+        "model": { "type": "BPE", "vocab": {}, "merges": [] }
     });
-    let bytes = serde_json::to_vec(&tokenizer_json)?;
-    let tokenizer = tokenizers::Tokenizer::from_bytes(bytes)
+    let mut tokenizer = tokenizers::Tokenizer::from_bytes(serde_json::to_vec(&rest)?)
         .map_err(|e| anyhow!("building the tokenizer from GGUF metadata failed: {e}"))?;
+    tokenizer.with_model(bpe);
+    // Added after the model, as tokenizer.json's are: each takes its id in the vocabulary.
+    tokenizer.add_tokens(&added);
 
     let mut eos_ids = Vec::new();
     for id in [eos_id, eot_id, eom_id].into_iter().flatten() {
@@ -293,16 +290,12 @@ fn pre_tokenizer(pre: &str) -> Result<PreTokenizerConfig> {
     Ok(cfg)
 }
 
-fn added_token(id: usize, content: &str, special: bool) -> serde_json::Value {
-    json!({
-        "id": id,
-        "content": content,
-        "single_word": false,
-        "lstrip": false,
-        "rstrip": false,
-        "normalized": false,
-        "special": special
-    })
+fn added_token(content: &str, special: bool) -> tokenizers::AddedToken {
+    tokenizers::AddedToken::from(content.to_string(), special)
+        .single_word(false)
+        .lstrip(false)
+        .rstrip(false)
+        .normalized(false)
 }
 
 fn get<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<&'a Value> {
