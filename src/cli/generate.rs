@@ -87,5 +87,8 @@ pub(super) fn run_generate(a: &GenerateArgs) -> Result<()> {
         out.flush()?;
         eprintln!("{}", g.stats.summary_line(prompt.len()));
     }
+    // The process ends next: freeing the model (its tokenizer alone is hundreds of thousands of
+    // allocations) would only delay the exit.
+    std::mem::forget(session);
     Ok(())
 }
