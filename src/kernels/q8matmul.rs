@@ -1145,12 +1145,21 @@ mod portable {
 #[cfg(target_arch = "x86_64")]
 const PREFETCH_BLOCKS: usize = 16;
 
-/// Asks for the group-block `PREFETCH_BLOCKS` ahead of `blk` (`st` bytes each), past the matrix's end
-/// included (harmless).
+/// Asks for the group-block `PREFETCH_BLOCKS` ahead of block `b` of a group whose `nb` blocks of `st`
+/// bytes start at `wg`, in a tile of `groups` consecutive groups. Past the group's end that is the
+/// same group of the next tile (`groups` groups on), which is what this stream reads next: the group
+/// right after it is another stream of this tile, already read. Past the matrix's end included
+/// (harmless).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_ahead(blk: *const u8, st: usize) {
-    super::prefetch_l2(blk.wrapping_add(PREFETCH_BLOCKS * st), st);
+fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize) {
+    let ahead = b + PREFETCH_BLOCKS;
+    let ahead = if ahead < nb {
+        ahead
+    } else {
+        ahead + (groups - 1) * nb
+    };
+    super::prefetch_l2(wg.wrapping_add(ahead * st), st);
 }
 
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
@@ -1306,7 +1315,7 @@ macro_rules! avx256_variant {
                     }
                     // The second half's pass finds the group's blocks in L1.
                     if h == 0 {
-                        prefetch_ahead(blk, st);
+                        prefetch_ahead(wg, b, nb, st, 1);
                     }
                     let q = blk.add(hb);
                     // The activation quads of row r, block b: 8 × 4 bytes.
@@ -1448,9 +1457,12 @@ mod avx512vnni {
         // rows either way (two groups: 16 integer and 16 f32 accumulators); against 4 rows for two groups,
         // on one thread (q8matmul::tests::timing): 1536 x 576 Q4_1 at 8 rows 54 -> 47 µs, 32 rows 222 ->
         // 162 µs; the 49152 x 576 Q8_0 vocabulary at 8 rows 1.88 -> 1.40 ms.
+        // Q6_K one group at a time: its values take more registers to unpack, and two groups ran slower
+        // (q8matmul::tests::real_shape_timing, 3 interleaved runs: the 128256 x 2048 vocabulary at 1
+        // row 7.45-7.91 -> 7.00-7.07 ms, at 8 rows 14.3-16.0 -> 13.0-15.1 ms).
         let mut gi = 0;
         while gi < groups {
-            let two = gi + 1 < groups;
+            let two = gi + 1 < groups && F != PackedFormat::Q6K.tag();
             let mut r0 = 0;
             while r0 < m {
                 let rows = (m - r0).min(TILE_ROWS);
@@ -1589,8 +1601,8 @@ mod avx512vnni {
                 sup = std::array::from_fn(|j| super_scales(f, sg[j].add(b / SUPER * sb)));
             }
             let blk: [*const u8; G] = std::array::from_fn(|j| wg[j].add(b * st));
-            for &blk in &blk {
-                prefetch_ahead(blk, st);
+            for &wg in &wg {
+                prefetch_ahead(wg, b, nb, st, G);
             }
             let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
             let heads: [[__m512; 2]; G] = std::array::from_fn(|j| heads(f, blk[j], sup[j]));
