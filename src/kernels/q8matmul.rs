@@ -2161,6 +2161,40 @@ mod tests {
         }
     }
 
+    /// `cargo test --release --lib q8matmul::tests::vnni_throughput -- --ignored --nocapture`: 512-bit
+    /// `vpdpbusd` per second on one core (12 independent chains), the bound on what a block of rows can
+    /// cost: a 1B model's 1.24 G weights at 8 rows are 155 M of them.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore]
+    fn vnni_throughput() {
+        use std::arch::x86_64::*;
+        #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+        unsafe fn chains(n: usize) -> i32 {
+            let mut acc = [_mm512_set1_epi32(1); 12];
+            let (x, y) = (_mm512_set1_epi32(0x0102_0304), _mm512_set1_epi32(0x0506_0708));
+            for _ in 0..n {
+                for a in acc.iter_mut() {
+                    *a = _mm512_dpbusd_epi32(*a, x, y);
+                }
+            }
+            acc.iter()
+                .fold(0i32, |s, &a| s.wrapping_add(_mm512_reduce_add_epi32(a)))
+        }
+        if !Isa::Avx512Vnni.available() {
+            panic!("this CPU has no AVX-512 VNNI");
+        }
+        let n = 50_000_000;
+        let t = std::time::Instant::now();
+        // SAFETY: the CPU has AVX-512 VNNI (checked above).
+        let check = unsafe { chains(n) };
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "vpdpbusd zmm: {:.2} G/s on one core ({check})",
+            12.0 * n as f64 / s / 1e9
+        );
+    }
+
     /// `cargo test --release --lib q8matmul::tests::timing -- --ignored --nocapture`: ms per call
     /// (median of 9) of the f32-activation block kernel (default and portable variants) and of this
     /// kernel on every variant, for
