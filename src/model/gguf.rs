@@ -116,7 +116,16 @@ struct RawTensor<'a> {
 
 impl RawTensor<'_> {
     fn qtensor(&self, dev: &Device) -> Result<QTensor> {
-        gguf_ggml::qtensor_from_ggml(self.dtype, &self.bytes, self.dims.clone(), dev)
+        // candle reads the bytes as its block type (f32 and f16 values, blocks with f16 heads) in place:
+        // a mapped tensor at an offset the file's alignment leaves odd is copied to an allocation first.
+        let aligned;
+        let bytes = if (self.bytes.as_ptr() as usize).is_multiple_of(8) {
+            &self.bytes[..]
+        } else {
+            aligned = self.bytes.to_vec();
+            &aligned[..]
+        };
+        gguf_ggml::qtensor_from_ggml(self.dtype, bytes, self.dims.clone(), dev)
             .map_err(|e| anyhow::anyhow!("tensor {}: {e}", self.name))
     }
 }
@@ -536,6 +545,29 @@ mod tests {
             );
         }
         std::fs::remove_file(&path)?;
+        Ok(())
+    }
+
+    /// A mapped tensor at an odd offset (a file whose alignment allows it) reads the same values: candle
+    /// takes the bytes as f32 in place, which needs them aligned (a debug build checks it).
+    #[test]
+    fn a_misaligned_tensor_reads_its_values() -> Result<()> {
+        let values = [1.5f32, -2.0, 3.25, 0.0];
+        let mut file = vec![0u8; 1 + 4 * values.len()];
+        for (at, v) in file[1..].chunks_exact_mut(4).zip(values) {
+            at.copy_from_slice(&v.to_le_bytes());
+        }
+        let t = RawTensor {
+            name: "x".into(),
+            dtype: GgmlDType::F32,
+            dims: vec![values.len()],
+            bytes: std::borrow::Cow::Borrowed(&file[1..]),
+        };
+        let read = t
+            .qtensor(&Device::Cpu)?
+            .dequantize(&Device::Cpu)?
+            .to_vec1::<f32>()?;
+        assert_eq!(read, values);
         Ok(())
     }
 }
