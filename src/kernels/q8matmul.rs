@@ -177,31 +177,14 @@ impl PackedFormat {
 /// `$format`'s, so that code written for one `F: u8` has no branches on the format.
 macro_rules! with_format_tag {
     ($format:expr, $tag:ident => $call:expr) => {
+        with_format_tag!(@arms $format, $tag, $call, Q4_0 Q4_1 Q8_0 Q4K Q5K Q6K)
+    };
+    (@arms $format:expr, $tag:ident, $call:expr, $($v:ident)*) => {
         match $format {
-            PackedFormat::Q4_0 => {
-                const $tag: u8 = PackedFormat::Q4_0.tag();
+            $(PackedFormat::$v => {
+                const $tag: u8 = PackedFormat::$v.tag();
                 $call
-            }
-            PackedFormat::Q4_1 => {
-                const $tag: u8 = PackedFormat::Q4_1.tag();
-                $call
-            }
-            PackedFormat::Q8_0 => {
-                const $tag: u8 = PackedFormat::Q8_0.tag();
-                $call
-            }
-            PackedFormat::Q4K => {
-                const $tag: u8 = PackedFormat::Q4K.tag();
-                $call
-            }
-            PackedFormat::Q5K => {
-                const $tag: u8 = PackedFormat::Q5K.tag();
-                $call
-            }
-            PackedFormat::Q6K => {
-                const $tag: u8 = PackedFormat::Q6K.tag();
-                $call
-            }
+            })*
         }
     };
 }

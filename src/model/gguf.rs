@@ -106,12 +106,25 @@ enum TensorData {
     Read(std::cell::RefCell<std::fs::File>),
 }
 
-/// One GGUF tensor as stored: its name, type, dims (outermost first) and bytes.
+/// One GGUF tensor as stored: its name, type, dims (outermost first) and bytes. Mapped bytes are
+/// released from the process when it is dropped (see [`TensorData::release`]): by then whatever keeps
+/// the tensor has its own copy, so the peak memory is the model's own weights plus one tensor, not also
+/// the whole file.
 struct RawTensor<'a> {
     name: String,
     dtype: GgmlDType,
     dims: Vec<usize>,
     bytes: std::borrow::Cow<'a, [u8]>,
+    /// The mapping `bytes` borrow from, if any.
+    map: Option<&'a memmap2::Mmap>,
+}
+
+impl Drop for RawTensor<'_> {
+    fn drop(&mut self) {
+        if let (Some(map), std::borrow::Cow::Borrowed(b)) = (self.map, &self.bytes) {
+            TensorData::release(map, b);
+        }
+    }
 }
 
 impl RawTensor<'_> {
@@ -152,8 +165,8 @@ impl TensorData {
             .with_context(|| format!("tensor {name} is missing"))?;
         let start = (ct.tensor_data_offset + info.offset) as usize;
         let len = tensor_end(ct.tensor_data_offset, info).context("impossible size")? as usize - start;
-        let bytes = match self {
-            TensorData::Mapped(map) => std::borrow::Cow::Borrowed(&map[start..start + len]),
+        let (bytes, map) = match self {
+            TensorData::Mapped(map) => (std::borrow::Cow::Borrowed(&map[start..start + len]), Some(map)),
             TensorData::Read(file) => {
                 use std::io::{Read, Seek, SeekFrom};
                 let mut file = file.borrow_mut();
@@ -161,7 +174,7 @@ impl TensorData {
                 file.seek(SeekFrom::Start(start as u64))?;
                 file.read_exact(&mut buf)
                     .with_context(|| format!("reading tensor {name}"))?;
-                std::borrow::Cow::Owned(buf)
+                (std::borrow::Cow::Owned(buf), None)
             }
         };
         Ok(RawTensor {
@@ -169,19 +182,17 @@ impl TensorData {
             dtype: info.ggml_dtype,
             dims: info.shape.dims().to_vec(),
             bytes,
+            map,
         })
     }
 
-    /// Drops a tensor's mapped pages from the process once whatever keeps it has its own copy, so that
-    /// the peak memory is the model's own weights plus one tensor, not also the whole file.
-    fn release(&self, t: &RawTensor) {
-        if let (TensorData::Mapped(map), std::borrow::Cow::Borrowed(b)) = (self, &t.bytes) {
-            let offset = b.as_ptr() as usize - map.as_ptr() as usize;
-            // SAFETY: the pages are a read-only file mapping; touching them again would read the file
-            // anew, and nothing does: every reader of `t` has copied or repacked it.
-            unsafe {
-                let _ = map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, b.len());
-            }
+    /// Drops the mapped pages of `bytes` (a range of `map`) from the process.
+    fn release(map: &memmap2::Mmap, bytes: &[u8]) {
+        let offset = bytes.as_ptr() as usize - map.as_ptr() as usize;
+        // SAFETY: the pages are a read-only file mapping; touching them again would read the file anew,
+        // and nothing does: the one tensor borrowing them is being dropped.
+        unsafe {
+            let _ = map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, offset, bytes.len());
         }
     }
 }
@@ -196,7 +207,6 @@ fn build_from_gguf(
     let params: usize = ct.tensor_infos.values().map(|i| i.shape.elem_count()).sum();
     let read = |name: &str| -> Result<RawTensor> { data.tensor(ct, name) };
     let c = &config;
-    // Each tensor is turned into what the model keeps, then its file pages are released.
     let dense =
         |t: &RawTensor| -> Result<Tensor> { Ok(t.qtensor(dev)?.dequantize(dev)?.to_dtype(opts.dtype)?) };
     // llama.cpp's converter interleaves the two RoPE halves of every LLaMA q/k head;
@@ -239,7 +249,6 @@ fn build_from_gguf(
                 }
             }
         };
-        data.release(&t);
         Ok(linear)
     };
     let linear = |t: RawTensor| linear_rows(t, None);
@@ -247,11 +256,7 @@ fn build_from_gguf(
         let rows = (c.arch == Arch::Llama).then(|| unpermute_index(heads, c.head_dim));
         linear_rows(t, rows)
     };
-    let norm = |t: RawTensor| -> Result<RmsNorm> {
-        let norm = RmsNorm::new(dense(&t)?, c.rms_norm_eps);
-        data.release(&t);
-        Ok(norm)
-    };
+    let norm = |t: RawTensor| -> Result<RmsNorm> { Ok(RmsNorm::new(dense(&t)?, c.rms_norm_eps)) };
     // The table stays packed where the output projection reads it so (and is shared with it when
     // tied).
     let (embed, tied_head) = {
@@ -262,7 +267,6 @@ fn build_from_gguf(
                     bail!("tensor {} is not a matrix", t.name)
                 };
                 let matrix = Arc::new(PackedMatrix::from_gguf(f, n, k, &t.bytes, None)?);
-                data.release(&t);
                 let head = Linear::new(Weight::Packed(matrix.clone()), None);
                 let embed = super::Embeddings::Packed {
                     matrix,
@@ -272,13 +276,7 @@ fn build_from_gguf(
             }
             _ => {
                 let embed = super::Embeddings::Dense(dense(&t)?);
-                let head = if config.tie_word_embeddings {
-                    Some(linear(t)?)
-                } else {
-                    data.release(&t);
-                    None
-                };
-                (embed, head)
+                (embed, config.tie_word_embeddings.then(|| linear(t)).transpose()?)
             }
         }
     };
@@ -512,8 +510,8 @@ pub fn unpermute_index(heads: usize, head_dim: usize) -> Vec<u32> {
 mod tests {
     use super::*;
 
-    /// A mapped file and a read one give every tensor the same bytes, and releasing a mapped tensor's
-    /// pages leaves the file readable (the next read maps them in again).
+    /// A mapped file and a read one give every tensor the same bytes, and dropping a mapped tensor (which
+    /// releases its pages) leaves the file readable (the next read maps them in again).
     #[test]
     fn mapped_and_read_tensors_are_the_same_bytes() -> Result<()> {
         let dev = Device::Cpu;
@@ -537,7 +535,7 @@ mod tests {
             assert_eq!((r.dtype, &r.dims), (m.dtype, &m.dims));
             assert_eq!(m.bytes, q.data()?, "{name}: mapped bytes");
             assert_eq!(r.bytes, q.data()?, "{name}: read bytes");
-            mapped.release(&m);
+            drop(m);
             assert_eq!(
                 mapped.tensor(&ct, name)?.bytes,
                 q.data()?,
@@ -562,6 +560,7 @@ mod tests {
             dtype: GgmlDType::F32,
             dims: vec![values.len()],
             bytes: std::borrow::Cow::Borrowed(&file[1..]),
+            map: None,
         };
         let read = t
             .qtensor(&Device::Cpu)?
