@@ -1151,8 +1151,8 @@ fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize) 
 /// registers hold one half's sums only, and the halves run one after the other, the second re-reading
 /// the group's weights from L1 / L2. Before, one row ran in two passes too: memory idled through the
 /// second, and a product streamed 22-25 GB/s where a read loop gets 30-37 GB/s (Zen 3, 2 threads;
-/// `real_shape_timing`, 2 interleaved runs: Q4_K 8192 x 2048 at one row 0.40-0.44 -> 0.32-0.38 ms, the
-/// Q6_K 128256 x 2048 vocabulary 9.0-10.0 -> 5.9-7.0 ms).
+/// `real_shape_timing`, interleaved runs: Q4_K 8192 x 2048 at one row 0.40-0.51 -> 0.32-0.38 ms, the
+/// Q6_K 128256 x 2048 vocabulary 9.0-10.0 -> 5.9-7.2 ms, one run of seven at 11.5 on a busy host).
 #[cfg(target_arch = "x86_64")]
 macro_rules! avx256_variant {
     ($name:ident, $features:literal, $vnni:literal) => {
