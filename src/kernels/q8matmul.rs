@@ -2194,6 +2194,24 @@ mod tests {
         }
     }
 
+    /// Times `chains(n)` (12 independent chains of `n` instructions each) and prints instructions per
+    /// second on one core.
+    #[cfg(target_arch = "x86_64")]
+    fn print_throughput(name: &str, isa: Isa, chains: unsafe fn(usize) -> i32) {
+        if !isa.available() {
+            panic!("this CPU has no {isa:?}");
+        }
+        let n = 50_000_000;
+        let t = std::time::Instant::now();
+        // SAFETY: `chains` needs only `isa`, which the CPU has (checked above).
+        let check = unsafe { chains(std::hint::black_box(n)) };
+        let s = t.elapsed().as_secs_f64();
+        println!(
+            "{name}: {:.2} G/s on one core ({check})",
+            12.0 * n as f64 / s / 1e9
+        );
+    }
+
     /// `cargo test --release --lib q8matmul::tests::vnni_throughput -- --ignored --nocapture`: 512-bit
     /// `vpdpbusd` per second on one core (12 independent chains), the bound on what a block of rows can
     /// cost: a 1B model's 1.24 G weights at 8 rows are 155 M of them.
@@ -2214,23 +2232,12 @@ mod tests {
             acc.iter()
                 .fold(0i32, |s, &a| s.wrapping_add(_mm512_reduce_add_epi32(a)))
         }
-        if !Isa::Avx512Vnni.available() {
-            panic!("this CPU has no AVX-512 VNNI");
-        }
-        let n = 50_000_000;
-        let t = std::time::Instant::now();
-        // SAFETY: the CPU has AVX-512 VNNI (checked above).
-        let check = unsafe { chains(n) };
-        let s = t.elapsed().as_secs_f64();
-        println!(
-            "vpdpbusd zmm: {:.2} G/s on one core ({check})",
-            12.0 * n as f64 / s / 1e9
-        );
+        print_throughput("vpdpbusd zmm", Isa::Avx512Vnni, chains);
     }
 
     /// `cargo test --release --lib q8matmul::tests::maddubs_throughput -- --ignored --nocapture`: 256-bit
-    /// `vpmaddubsw` per second on one core (12 independent chains): the bound on a block of rows without VNNI, where a 1B model's 1.24 G weights at
-    /// 8 rows are 310 M of them.
+    /// `vpmaddubsw` per second on one core (12 independent chains): the bound on a block of rows without
+    /// VNNI, where a 1B model's 1.24 G weights at 8 rows are 310 M of them.
     #[cfg(target_arch = "x86_64")]
     #[test]
     #[ignore]
@@ -2252,18 +2259,7 @@ mod tests {
             _mm256_storeu_si256(out.as_mut_ptr().cast(), s);
             out.iter().map(|&v| v as i32).sum()
         }
-        if !Isa::Avx2.available() {
-            panic!("this CPU has no AVX2");
-        }
-        let n = 50_000_000;
-        let t = std::time::Instant::now();
-        // SAFETY: the CPU has AVX2 (checked above).
-        let check = unsafe { chains(std::hint::black_box(n)) };
-        let s = t.elapsed().as_secs_f64();
-        println!(
-            "vpmaddubsw ymm: {:.2} G/s on one core ({check})",
-            12.0 * n as f64 / s / 1e9
-        );
+        print_throughput("vpmaddubsw ymm", Isa::Avx2, chains);
     }
 
     /// `cargo test --release --lib q8matmul::tests::timing -- --ignored --nocapture`: ms per call
