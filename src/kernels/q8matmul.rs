@@ -1183,8 +1183,8 @@ macro_rules! avx256_variant {
                         }
                         continue;
                     }
-                    // Q6_K in tiles of 4 rows: at 8 its two heads and unpacking spilled registers
-                    // (`real_shape_timing`, Zen 3, 2 interleaved runs: 2048 x 8192 at 8 rows 2.0-2.2 ->
+                    // Q6_K in tiles of 4 rows: it ran slower at 8, where its two heads and unpacking
+                    // leave too few of the 16 registers (`real_shape_timing`, Zen 3, interleaved runs: 2048 x 8192 at 8 rows 2.0-2.2 ->
                     // 1.58-1.63 ms; Q4_K, Q5_K and Q8_0 were as fast or faster at 8).
                     let tile_rows = if F == PackedFormat::Q6K.tag() { 4 } else { TILE_ROWS };
                     for h in 0..2 {
@@ -2146,7 +2146,7 @@ mod tests {
 
     /// `cargo test --release --lib q8matmul::tests::real_shape_timing -- --ignored --nocapture`: ms per
     /// call (median) and GB/s of the weights read, on the default pool, for Llama-3.2-1B's products in
-    /// the formats of its Q4_K_M, Q4_0 and Q8_0 files (random weights; a product's time depends on its
+    /// the formats of its Q4_K_M, Q4_0 and Q8_0 files and Q5_K (random weights; a product's time depends on its
     /// shape and format only), weights cycled through enough copies to come from memory. `FORMATS=Q4K,Q6K`
     /// keeps some formats; `COPIES=1` keeps one copy, so that its weights stay in cache (the arithmetic's
     /// share of the time).
