@@ -1147,7 +1147,7 @@ fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize) 
 
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
 /// features; only the integer dot product of a chunk differs). A group's 16 outputs are two halves of
-/// 8 lanes. At one or two rows both halves run in one pass over the group's blocks; at more, the
+/// 8 lanes. At up to four rows both halves run in one pass over the group's blocks; at more, the
 /// registers hold one half's sums only, and the halves run one after the other, the second re-reading
 /// the group's weights from L1 / L2. Before, one row ran in two passes too: memory idled through the
 /// second, and a product streamed 22-25 GB/s where a read loop gets 30-37 GB/s (Zen 3, 2 threads;
@@ -1172,14 +1172,21 @@ macro_rules! avx256_variant {
                 let m = a.rows;
                 for gi in 0..out.groups {
                     let g = g0 + gi;
-                    if m <= 2 {
+                    if m <= 4 {
                         // Both halves in one pass: each activation broadcast feeds both, and the
-                        // weights stream from memory in one sweep.
+                        // weights stream from memory in one sweep. Three and four rows ran in two
+                        // passes until the one-pass tiles measured faster there (`cost --rows
+                        // 1,2,3,4,8`, Zen 3, two interleaved runs each: Qwen3-0.6B Q8_0 cost(3)
+                        // 35.5-36.1 -> 29.0-29.9 ms, Llama-3.2-1B Q8_0 cost(4) 69.4-69.5 ->
+                        // 50.5-54.6, SmolLM2 Q4_1 cost(4) 7.4-8.1 -> 6.4-6.6; the Q4_0 and Q4_K files
+                        // unchanged). At eight rows, tiles of four in one pass were as fast for Q8_0
+                        // and 10-20% slower for Q4_K: the two-pass tiles of eight stay.
                         let o = (out.at(gi, 0), out.ld);
-                        if m == 1 {
-                            tile::<F, 1, 2>(a, w, g, 0, 0, o, true);
-                        } else {
-                            tile::<F, 2, 2>(a, w, g, 0, 0, o, true);
+                        match m {
+                            1 => tile::<F, 1, 2>(a, w, g, 0, 0, o, true),
+                            2 => tile::<F, 2, 2>(a, w, g, 0, 0, o, true),
+                            3 => tile::<F, 3, 2>(a, w, g, 0, 0, o, true),
+                            _ => tile::<F, 4, 2>(a, w, g, 0, 0, o, true),
                         }
                         continue;
                     }
@@ -2148,14 +2155,21 @@ mod tests {
     /// call (median) and GB/s of the weights read, on the default pool, for Llama-3.2-1B's products in
     /// the formats of its Q4_K_M, Q4_0 and Q8_0 files and Q5_K (random weights; a product's time depends on its
     /// shape and format only), weights cycled through enough copies to come from memory. `FORMATS=Q4K,Q6K`
-    /// keeps some formats; `COPIES=1` keeps one copy, so that its weights stay in cache (the arithmetic's
-    /// share of the time).
+    /// keeps some formats; `ROWS=1,2,3,4,8` sets the row counts (default 1 and 8); `COPIES=1` keeps one
+    /// copy, so that its weights stay in cache (the arithmetic's share of the time).
     #[test]
     #[ignore]
     fn real_shape_timing() {
         let mut rng = StdRng::seed_from_u64(28);
         let only = std::env::var("FORMATS").unwrap_or_default();
-        println!("format n k: ms per call (GB/s) at m = 1, 8; ns per group-block at m = 1");
+        let rows: Vec<usize> = std::env::var("ROWS")
+            .map(|r| {
+                r.split(',')
+                    .map(|m| m.parse().expect("ROWS: row counts"))
+                    .collect()
+            })
+            .unwrap_or(vec![1, 8]);
+        println!("format n k: ms per call (GB/s) at m = {rows:?}; ns per group-block at m = 1");
         for (format, n, k) in [
             (PackedFormat::Q4K, 8192, 2048),
             (PackedFormat::Q4K, 2048, 2048),
@@ -2177,7 +2191,7 @@ mod tests {
                 .chain((1..copies).map(|_| random_packed(&mut rng, format, n, k)))
                 .collect();
             print!("{format:?} {n} {k}:");
-            for m in [1, 8] {
+            for &m in &rows {
                 let x = random_x(&mut rng, m * k);
                 let mut y = vec![0.0f32; m * n];
                 let mut i = 0;
