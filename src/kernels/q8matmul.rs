@@ -1353,13 +1353,7 @@ macro_rules! avx256_variant {
                                 let hi: [__m256i; H] = std::array::from_fn(|i| {
                                     _mm256_and_si256(_mm256_srli_epi16::<4>(v[i]), low)
                                 });
-                                for r in 0..R {
-                                    let x0 = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
-                                    let x1 = _mm256_set1_epi32(xq(r).add(t + 4).read_unaligned());
-                                    for i in 0..H {
-                                        isum[i][r] = dot_nibbles(isum[i][r], lo[i], x0, hi[i], x1);
-                                    }
-                                }
+                                add_two_quads(&mut isum, &xq, (lo, t), (hi, t + 4), true);
                             }
                         } else {
                             let quads = if f.split() {
@@ -1380,13 +1374,7 @@ macro_rules! avx256_variant {
                                 for t in quads.step_by(2) {
                                     let u0: [__m256i; H] = std::array::from_fn(|i| quad(f, q, t, h0 + i));
                                     let u1: [__m256i; H] = std::array::from_fn(|i| quad(f, q, t + 1, h0 + i));
-                                    for r in 0..R {
-                                        let x0 = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
-                                        let x1 = _mm256_set1_epi32(xq(r).add(t + 1).read_unaligned());
-                                        for i in 0..H {
-                                            isum[i][r] = dot_byte_pair(isum[i][r], u0[i], x0, u1[i], x1);
-                                        }
-                                    }
+                                    add_two_quads(&mut isum, &xq, (u0, t), (u1, t + 1), false);
                                 }
                             } else {
                                 for t in quads {
@@ -1439,6 +1427,31 @@ macro_rules! avx256_variant {
                 for i in 0..H {
                     for r in 0..R {
                         _mm256_storeu_ps(out.0.add(r * out.1 + 8 * i), acc[i][r]);
+                    }
+                }
+            }
+
+            /// Adds to each row's sums (per half) weights `w0` times the row's activation quad `t0`
+            /// plus `w1` times quad `t1`: two nibble planes ([`dot_nibbles`]) or two byte quads
+            /// widened once ([`dot_byte_pair`]).
+            #[target_feature(enable = $features)]
+            #[inline]
+            unsafe fn add_two_quads<const R: usize, const H: usize>(
+                isum: &mut [[__m256i; R]; H],
+                xq: &impl Fn(usize) -> *const i32,
+                (w0, t0): ([__m256i; H], usize),
+                (w1, t1): ([__m256i; H], usize),
+                nibbles: bool,
+            ) {
+                for r in 0..R {
+                    let x0 = _mm256_set1_epi32(xq(r).add(t0).read_unaligned());
+                    let x1 = _mm256_set1_epi32(xq(r).add(t1).read_unaligned());
+                    for i in 0..H {
+                        isum[i][r] = if nibbles {
+                            dot_nibbles(isum[i][r], w0[i], x0, w1[i], x1)
+                        } else {
+                            dot_byte_pair(isum[i][r], w0[i], x0, w1[i], x1)
+                        };
                     }
                 }
             }
