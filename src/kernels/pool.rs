@@ -9,7 +9,10 @@
 //! an idle process does not burn a core.
 //!
 //! The caller takes part in its own job, and never waits for a parked worker to wake up: a job is a
-//! counter of task indices that whoever is there claims, so a late worker finds nothing left to do.
+//! range of task indices that whoever is there claims, so a late worker finds nothing left to do. The
+//! caller claims from the front and the workers from the back, so a worker knows which part of the next
+//! job it will most likely run, and may fetch that part's weights while it waits for the caller to
+//! finish the step's serial work ([`Pool::prefetch_hint`]); the memory idles then otherwise.
 //! Results never depend on which thread ran a task (each task writes its own outputs with its own fixed
 //! arithmetic), so a job submitted while another is running (tests in parallel, a nested call) simply
 //! runs on its caller's thread.
@@ -28,12 +31,11 @@ const SPIN: Duration = Duration::from_millis(2);
 /// checks.
 const YIELD_AFTER: u32 = 2048;
 
-/// The job being run: a borrowed closure (lifetime erased; see [`Pool::run`] for why that is sound)
-/// and its number of tasks.
+/// The job being run: a borrowed closure (lifetime erased; see [`Pool::run`] for why that is sound).
+/// Its tasks are counted in `Shared::claims`.
 #[derive(Clone, Copy)]
 struct Job {
     f: *const (dyn Fn(usize) + Sync),
-    tasks: usize,
 }
 
 struct Shared {
@@ -43,8 +45,15 @@ struct Shared {
     /// workers to leave.
     open: AtomicBool,
     job: UnsafeCell<Job>,
-    /// Next task index to claim.
-    next: AtomicUsize,
+    /// Task indices left to claim, `front | back << 32`: the caller takes them from the front, the
+    /// workers from the back, so a worker's share is the end of a job (what it prefetched, see `hint`).
+    claims: AtomicU64,
+    /// Bytes a worker may bring into its caches while it waits: `hint_seq` bumped after `hint_ptr` and
+    /// `hint_len` are written. Read without a lock: a torn pair only names other addresses, and a
+    /// prefetch of any address is harmless.
+    hint_ptr: AtomicUsize,
+    hint_len: AtomicUsize,
+    hint_seq: AtomicU64,
     /// Workers inside the current job.
     active: AtomicUsize,
     /// Parked workers, and how they are woken.
@@ -87,8 +96,11 @@ impl Pool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             open: AtomicBool::new(false),
-            job: UnsafeCell::new(Job { f: &|_| {}, tasks: 0 }),
-            next: AtomicUsize::new(0),
+            job: UnsafeCell::new(Job { f: &|_| {} }),
+            claims: AtomicU64::new(0),
+            hint_ptr: AtomicUsize::new(0),
+            hint_len: AtomicUsize::new(0),
+            hint_seq: AtomicU64::new(0),
             active: AtomicUsize::new(0),
             sleeping: AtomicUsize::new(0),
             lock: Mutex::new(()),
@@ -124,7 +136,9 @@ impl Pool {
     /// returns when all have finished. Inside a rayon pool of one thread (the kernels' tests pin their
     /// thread count that way) or while another job runs, everything runs on the caller's thread.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
-        let guard = if tasks > 1 && self.threads > 1 && rayon::current_num_threads() > 1 {
+        // (`claims` counts tasks in 32 bits.)
+        let fits = u32::try_from(tasks).is_ok();
+        let guard = if fits && tasks > 1 && self.threads > 1 && rayon::current_num_threads() > 1 {
             self.submit.try_lock().ok()
         } else {
             None
@@ -144,21 +158,16 @@ impl Pool {
                 f: std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(
                     f,
                 ),
-                tasks,
             };
         }
-        s.next.store(0, SeqCst);
+        s.claims.store((tasks as u64) << 32, SeqCst);
         s.open.store(true, SeqCst);
         s.epoch.fetch_add(1, SeqCst);
         if s.sleeping.load(SeqCst) > 0 {
             let _l = s.lock.lock().unwrap();
             s.wake.notify_all();
         }
-        loop {
-            let i = s.next.fetch_add(1, SeqCst);
-            if i >= tasks {
-                break;
-            }
+        while let Some(i) = claim(&s.claims, true) {
             f(i);
         }
         s.open.store(false, SeqCst);
@@ -206,13 +215,63 @@ impl<'a, T> SharedMut<'a, T> {
     }
 }
 
+/// The next task index from the front (the caller) or the back (a worker), if any is left.
+fn claim(claims: &AtomicU64, front: bool) -> Option<usize> {
+    let mut c = claims.load(SeqCst);
+    loop {
+        let (f, b) = (c & 0xffff_ffff, c >> 32);
+        if f >= b {
+            return None;
+        }
+        let (next, i) = if front { (c + 1, f) } else { (c - (1 << 32), b - 1) };
+        match claims.compare_exchange_weak(c, next, SeqCst, SeqCst) {
+            Ok(_) => return Some(i as usize),
+            Err(now) => c = now,
+        }
+    }
+}
+
+impl Pool {
+    /// Asks the idle workers to bring `bytes` into their caches while the caller works alone (a
+    /// layer's norms, rope, residuals): the end of the next job's data, which the workers' share of that
+    /// job reads first, since they claim its tasks from the back. Only a hint: a worker follows it while
+    /// it waits and drops it when a job comes.
+    pub fn prefetch_hint(&self, bytes: &[u8]) {
+        if self.threads < 2 {
+            return;
+        }
+        let s = &*self.shared;
+        s.hint_ptr.store(bytes.as_ptr() as usize, SeqCst);
+        s.hint_len.store(bytes.len(), SeqCst);
+        s.hint_seq.fetch_add(1, SeqCst);
+    }
+}
+
+/// Prefetches the hinted bytes, 1 KiB at a time, until they are done or a job comes (`epoch` moves).
+fn follow_hint(s: &Shared, seen: u64) {
+    let (ptr, len) = (s.hint_ptr.load(SeqCst), s.hint_len.load(SeqCst));
+    let mut at = 0;
+    while at < len && s.epoch.load(SeqCst) == seen {
+        let n = (len - at).min(1024);
+        super::prefetch_l1((ptr + at) as *const u8, n);
+        at += n;
+    }
+}
+
 fn worker(s: &Shared) {
     let mut seen = s.epoch.load(SeqCst);
+    let mut hint_seen = s.hint_seq.load(SeqCst);
     loop {
         // Wait for a new job: spin, then park.
         let start = Instant::now();
         let mut spins = 0u32;
         while s.epoch.load(SeqCst) == seen {
+            let h = s.hint_seq.load(SeqCst);
+            if h != hint_seen {
+                hint_seen = h;
+                follow_hint(s, seen);
+                continue;
+            }
             spins = spins.wrapping_add(1);
             if spins > YIELD_AFTER {
                 // Still responsive (a yield is about a microsecond), but a machine with more runnable
@@ -237,11 +296,7 @@ fn worker(s: &Shared) {
             // SAFETY: see `Pool::run`: while we are active and the job is open, it stays valid.
             let job = unsafe { *s.job.get() };
             let f = unsafe { &*job.f };
-            loop {
-                let i = s.next.fetch_add(1, SeqCst);
-                if i >= job.tasks {
-                    break;
-                }
+            while let Some(i) = claim(&s.claims, false) {
                 f(i);
             }
         }
@@ -252,6 +307,46 @@ fn worker(s: &Shared) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn claims_meet_in_the_middle() {
+        for tasks in [0u64, 1, 2, 7] {
+            let claims = AtomicU64::new(tasks << 32);
+            let mut got = Vec::new();
+            // Alternating ends: the front counts up, the back down, and nothing is claimed twice.
+            let mut front = true;
+            while let Some(i) = claim(&claims, front) {
+                got.push((front, i));
+                front = !front;
+            }
+            let fronts: Vec<usize> = got.iter().filter(|g| g.0).map(|g| g.1).collect();
+            let backs: Vec<usize> = got.iter().filter(|g| !g.0).map(|g| g.1).collect();
+            let n = tasks as usize;
+            assert_eq!(fronts, (0..n.div_ceil(2)).collect::<Vec<_>>(), "{tasks} tasks");
+            assert_eq!(
+                backs,
+                (n.div_ceil(2)..n).rev().collect::<Vec<_>>(),
+                "{tasks} tasks"
+            );
+            assert_eq!(claim(&claims, true), None);
+            assert_eq!(claim(&claims, false), None);
+        }
+    }
+
+    #[test]
+    fn hints_leave_jobs_whole() {
+        let pool = Pool::new(2);
+        let data = vec![7u8; 1 << 20];
+        for round in 0..200 {
+            // Hints at any offset, between and during jobs.
+            pool.prefetch_hint(&data[round * 997 % 4096..]);
+            let hits: Vec<AtomicUsize> = (0..37).map(|_| AtomicUsize::new(0)).collect();
+            pool.run(hits.len(), &|i| {
+                hits[i].fetch_add(1, SeqCst);
+            });
+            assert!(hits.iter().all(|h| h.load(SeqCst) == 1), "round {round}");
+        }
+    }
 
     #[test]
     fn every_task_runs_once() {

@@ -447,6 +447,11 @@ pub struct PackedMatrix {
 }
 
 impl PackedMatrix {
+    /// The last `bytes` bytes (at most) of the packed weights: the last groups' blocks.
+    pub fn tail(&self, bytes: usize) -> &[u8] {
+        &self.data[self.data.len() - bytes.min(self.data.len())..]
+    }
+
     /// Repacks a block matrix (same values, see the type's doc).
     pub fn pack(w: &BlockMatrix) -> Self {
         let (rows, cols) = w.dims();

@@ -42,6 +42,14 @@ impl Linear {
         }
     }
 
+    /// Asks the kernel pool's idle worker to prefetch the end of this product's weights (packed ones
+    /// only), the part the worker's share of the product reads, while the caller works alone.
+    pub fn prefetch_hint(&self, bytes: usize) {
+        if let Weight::Packed(m) = &self.weight {
+            crate::kernels::pool::Pool::global().prefetch_hint(m.tail(bytes));
+        }
+    }
+
     pub fn with_out_perm(mut self, perm: Tensor) -> Self {
         self.out_perm = Some(perm);
         self

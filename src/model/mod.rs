@@ -25,6 +25,9 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::sync::Arc;
 
+/// Bytes of a product's weights the pool's worker is asked to prefetch while the caller works alone.
+const HINT_BYTES: usize = 128 << 10;
+
 pub struct RmsNorm {
     weight: Tensor,
     eps: f32,
@@ -270,6 +273,7 @@ impl Transformer {
             x = self.layer_forward(layer, i, &x, &cos, &sin, mask, &mut *cache)?;
         }
         cache.advance(rows);
+        self.lm_head.prefetch_hint(HINT_BYTES);
         self.norm.forward(&x, self.cpu_kernels())
     }
 
@@ -316,8 +320,10 @@ impl Transformer {
         let c = &self.config;
         let rows = x.dim(0)?;
         let (kernels, exact) = (self.cpu_kernels(), self.ops.row_invariant());
+        l.v_proj.prefetch_hint(HINT_BYTES);
         let h = l.attn_norm.forward(x, kernels)?;
         let [q, k, v] = Linear::forward_many([&l.q_proj, &l.k_proj, &l.v_proj], &h, exact)?;
+        l.o_proj.prefetch_hint(HINT_BYTES);
         let q = q.reshape((1, rows, c.num_heads, c.head_dim))?;
         let k = k.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
         let v = v.reshape((1, rows, c.num_kv_heads, c.head_dim))?;
@@ -343,8 +349,10 @@ impl Transformer {
         let v_all = cache.write(layer_idx, &k, &v.contiguous()?)?;
         let attn = self.attention(&q, cache.keys(layer_idx), &v_all, mask, cache.len())?;
         let x = self.residual(x, &l.o_proj.forward(&attn, exact)?)?;
+        l.up_proj.prefetch_hint(HINT_BYTES);
         let h = l.mlp_norm.forward(&x, kernels)?;
         let [gate, up] = Linear::forward_many([&l.gate_proj, &l.up_proj], &h, exact)?;
+        l.down_proj.prefetch_hint(HINT_BYTES);
         let gated = if kernels {
             crate::kernels::swiglu_f32(&gate, &up)?
         } else {
