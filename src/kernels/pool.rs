@@ -46,7 +46,8 @@ struct Shared {
     open: AtomicBool,
     job: UnsafeCell<Job>,
     /// Task indices left to claim, `front | back << 32`: the caller takes them from the front, the
-    /// workers from the back, so a worker's share is the end of a job (what it prefetched, see `hint`).
+    /// workers from the back, so a worker's share is the end of a job (what it prefetched, see
+    /// `hint_ptr`).
     claims: AtomicU64,
     /// Bytes a worker may bring into its caches while it waits: `hint_seq` bumped after `hint_ptr` and
     /// `hint_len` are written. Read without a lock: a torn pair only names other addresses, and a
@@ -130,6 +131,20 @@ impl Pool {
     /// Threads a job may run on (the caller included).
     pub fn threads(&self) -> usize {
         self.threads
+    }
+
+    /// Asks the idle workers to bring `bytes` into their caches while the caller works alone (a
+    /// layer's norms, rope, residuals): the end of the next job's data, which the workers' share of that
+    /// job reads first, since they claim its tasks from the back. Only a hint: a worker follows it while
+    /// it waits and drops it when a job comes.
+    pub fn prefetch_hint(&self, bytes: &[u8]) {
+        if self.threads < 2 {
+            return;
+        }
+        let s = &*self.shared;
+        s.hint_ptr.store(bytes.as_ptr() as usize, SeqCst);
+        s.hint_len.store(bytes.len(), SeqCst);
+        s.hint_seq.fetch_add(1, SeqCst);
     }
 
     /// Runs `f(0) .. f(tasks - 1)`, each exactly once, spread over the pool's threads and the caller;
@@ -231,22 +246,6 @@ fn claim(claims: &AtomicU64, front: bool) -> Option<usize> {
     }
 }
 
-impl Pool {
-    /// Asks the idle workers to bring `bytes` into their caches while the caller works alone (a
-    /// layer's norms, rope, residuals): the end of the next job's data, which the workers' share of that
-    /// job reads first, since they claim its tasks from the back. Only a hint: a worker follows it while
-    /// it waits and drops it when a job comes.
-    pub fn prefetch_hint(&self, bytes: &[u8]) {
-        if self.threads < 2 {
-            return;
-        }
-        let s = &*self.shared;
-        s.hint_ptr.store(bytes.as_ptr() as usize, SeqCst);
-        s.hint_len.store(bytes.len(), SeqCst);
-        s.hint_seq.fetch_add(1, SeqCst);
-    }
-}
-
 /// Prefetches the hinted bytes, 1 KiB at a time, until they are done or a job comes (`epoch` moves).
 fn follow_hint(s: &Shared, seen: u64) {
     let (ptr, len) = (s.hint_ptr.load(SeqCst), s.hint_len.load(SeqCst));
@@ -338,7 +337,7 @@ mod tests {
         let pool = Pool::new(2);
         let data = vec![7u8; 1 << 20];
         for round in 0..200 {
-            // Hints at any offset, between and during jobs.
+            // Hints at any offset, between jobs.
             pool.prefetch_hint(&data[round * 997 % 4096..]);
             let hits: Vec<AtomicUsize> = (0..37).map(|_| AtomicUsize::new(0)).collect();
             pool.run(hits.len(), &|i| {
