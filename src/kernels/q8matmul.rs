@@ -664,6 +664,25 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 /// # Panics
 /// If `cols` is not a multiple of 32 or `x` is not `rows · cols` long.
 pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
+    let mut out = QuantRows {
+        rows: 0,
+        cols: 0,
+        q: Vec::new(),
+        d: Vec::new(),
+        sum: Vec::new(),
+        sum_lo: Vec::new(),
+        s: Vec::new(),
+    };
+    quantize_rows_into(&mut out, x, rows, cols);
+    out
+}
+
+/// [`quantize_rows`] into `out`, reusing its buffers: a decoding step quantises four inputs a layer, and
+/// five fresh vectors each were a tenth of a small model's allocations.
+///
+/// # Panics
+/// As [`quantize_rows`].
+pub fn quantize_rows_into(out: &mut QuantRows, x: &[f32], rows: usize, cols: usize) {
     assert!(cols.is_multiple_of(BLOCK), "quantize_rows: {cols} columns");
     assert_eq!(
         x.len(),
@@ -671,15 +690,13 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
         "quantize_rows: x must hold rows*cols values"
     );
     let blocks = rows * cols / BLOCK;
-    let mut out = QuantRows {
-        rows,
-        cols,
-        q: vec![0; rows * cols],
-        d: vec![0.0; blocks],
-        sum: vec![0; blocks],
-        sum_lo: vec![0; blocks],
-        s: vec![0.0; blocks],
-    };
+    // Every value is written below; `resize` only fills what the buffers grow by.
+    (out.rows, out.cols) = (rows, cols);
+    out.q.resize(rows * cols, 0);
+    out.d.resize(blocks, 0.0);
+    out.sum.resize(blocks, 0);
+    out.sum_lo.resize(blocks, 0);
+    out.s.resize(blocks, 0.0);
     // Rows split over the kernel pool when there are enough of them (each block is quantised alone,
     // so the split cannot change a value).
     let pool = super::pool::Pool::global();
@@ -709,7 +726,6 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
         };
         quantize_blocks_with(&x[r0 * cols..r1 * cols], blocks);
     });
-    out
 }
 
 /// Rows quantised by one task when a product has at least this many activations (a hand-off costs
@@ -733,14 +749,11 @@ fn quantize_blocks_with(x: &[f32], out: Blocks) {
     #[cfg(target_arch = "x86_64")]
     {
         use super::attention::Width;
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn avx2(x: &[f32], out: Blocks) {
-            quantize_blocks(x, out)
-        }
         match Width::best() {
-            // SAFETY: `Width::best` only names a width the CPU has (W512: Isa::Avx512, AVX-512 F/VL).
+            // SAFETY: `Width::best` only names a width the CPU has (W512: Isa::Avx512, AVX-512 F/VL;
+            // W256: AVX2 and FMA).
             Width::W512 => return unsafe { quantize_blocks_avx512(x, out) },
-            Width::W256 => return unsafe { avx2(x, out) },
+            Width::W256 => return unsafe { quantize_blocks_avx2(x, out) },
             Width::Portable => {}
         }
     }
@@ -786,6 +799,66 @@ unsafe fn quantize_blocks_avx512(x: &[f32], out: Blocks) {
         _mm_storeu_si128(q.add(16).cast(), _mm512_cvtepi32_epi8(qhi));
         let sum_lo = _mm512_reduce_add_epi32(qlo);
         let sum = sum_lo.wrapping_add(_mm512_reduce_add_epi32(qhi));
+        *out.d.get_unchecked_mut(i) = d;
+        *out.sum.get_unchecked_mut(i) = sum;
+        *out.sum_lo.get_unchecked_mut(i) = sum_lo;
+        *out.s.get_unchecked_mut(i) = d * sum as f32;
+    }
+}
+
+/// [`quantize_blocks`] in AVX2, a block of 32 values as four vectors, step for step as
+/// [`quantize_blocks_avx512`]. The integers are cut to their low bytes (as `as i8`: masked to a byte,
+/// then packed without saturation taking effect) rather than packed with saturation, which would
+/// differ from the portable code on a NaN or infinite block's garbage integers.
+///
+/// # Safety
+/// The CPU must have AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_blocks_avx2(x: &[f32], out: Blocks) {
+    use std::arch::x86_64::*;
+    let n = x.len() / BLOCK;
+    assert!(out.q.len() >= n * BLOCK && out.d.len() >= n && out.sum.len() >= n && out.sum_lo.len() >= n);
+    assert!(out.s.len() >= n);
+    let abs = _mm256_set1_epi32(0x7fff_ffff);
+    let byte = _mm256_set1_epi32(0xff);
+    let magic = _mm256_set1_ps(ROUND_MAGIC);
+    let magic_bits = _mm256_set1_epi32(ROUND_MAGIC.to_bits() as i32);
+    // `packus` interleaves its two sources per 128-bit lane: this puts the 32 bytes back in order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    let hmax = |v: __m256i| {
+        let v = _mm_max_epu32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_max_epu32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        _mm_cvtsi128_si32(_mm_max_epu32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v))) as u32
+    };
+    let hsum = |v: __m256i| {
+        let v = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+        let v = _mm_add_epi32(v, _mm_shuffle_epi32::<0b01_00_11_10>(v));
+        _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32::<0b10_11_00_01>(v)))
+    };
+    for i in 0..n {
+        let p = x.as_ptr().add(i * BLOCK);
+        let v: [__m256; 4] = std::array::from_fn(|j| _mm256_loadu_ps(p.add(8 * j)));
+        let mag = |j: usize| _mm256_and_si256(_mm256_castps_si256(v[j]), abs);
+        let bits = _mm256_max_epu32(_mm256_max_epu32(mag(0), mag(1)), _mm256_max_epu32(mag(2), mag(3)));
+        let amax = f32::from_bits(hmax(bits));
+        let (d, id) = block_scale(amax);
+        let id = _mm256_set1_ps(id);
+        let qi: [__m256i; 4] = std::array::from_fn(|j| {
+            _mm256_sub_epi32(
+                _mm256_castps_si256(_mm256_add_ps(_mm256_mul_ps(v[j], id), magic)),
+                magic_bits,
+            )
+        });
+        let low = |j: usize| _mm256_and_si256(qi[j], byte);
+        let words = [
+            _mm256_packus_epi32(low(0), low(1)),
+            _mm256_packus_epi32(low(2), low(3)),
+        ];
+        let bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words[0], words[1]), order);
+        _mm256_storeu_si256(out.q.as_mut_ptr().add(i * BLOCK).cast(), bytes);
+        let sum_lo = hsum(_mm256_add_epi32(qi[0], qi[1]));
+        let sum = sum_lo.wrapping_add(hsum(_mm256_add_epi32(qi[2], qi[3])));
         *out.d.get_unchecked_mut(i) = d;
         *out.sum.get_unchecked_mut(i) = sum;
         *out.sum_lo.get_unchecked_mut(i) = sum_lo;
@@ -1789,13 +1862,32 @@ pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
             return Err(Error::Msg(format!("linear_q8: x has {k} columns, the weight {kw}")).bt());
         }
     }
-    let a = super::with_f32(x, |xs| quantize_rows(xs, m, k))?;
+    thread_local! {
+        static ACTIVATIONS: std::cell::RefCell<QuantRows> = std::cell::RefCell::new(quantize_rows(&[], 0, 0));
+    }
+    ACTIVATIONS.with_borrow_mut(|a| {
+        super::with_f32(x, |xs| quantize_rows_into(a, xs, m, k))?;
+        let ys = products_of(a, ws);
+        // A long prompt's activations are not kept for the one-row steps after it.
+        if a.q.capacity() > KEEP_ACTIVATION_BYTES {
+            *a = quantize_rows(&[], 0, 0);
+        }
+        ys
+    })
+}
+
+/// The most bytes of quantised activations [`linear_q8_many`] keeps for the next call.
+const KEEP_ACTIVATION_BYTES: usize = 1 << 20;
+
+/// The products of quantised rows `a` with `ws`, as tensors.
+fn products_of(a: &QuantRows, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
+    let m = a.rows;
     let mut ys: Vec<Vec<f32>> = ws.iter().map(|w| Vec::with_capacity(m * w.dims().0)).collect();
     let outs: Vec<*mut f32> = ys.iter_mut().map(|y| y.as_mut_ptr()).collect();
     // SAFETY: each output has room for its m · n values and they are distinct allocations;
     // `products_into` writes every one of them, so they are initialised when the lengths are set.
     unsafe {
-        products_into(default_isa(), &a, ws, &outs);
+        products_into(default_isa(), a, ws, &outs);
         for (y, w) in ys.iter_mut().zip(ws) {
             y.set_len(m * w.dims().0);
         }
@@ -2119,6 +2211,11 @@ mod tests {
         if Isa::Avx512.available() {
             // SAFETY: checked just above.
             assert_eq!(run(&|x, o| unsafe { quantize_blocks_avx512(x, o) }), portable);
+        }
+        #[cfg(target_arch = "x86_64")]
+        if Isa::Avx2.available() {
+            // SAFETY: checked just above (Isa::Avx2 includes FMA).
+            assert_eq!(run(&|x, o| unsafe { quantize_blocks_avx2(x, o) }), portable);
         }
     }
 
