@@ -133,6 +133,20 @@ impl KvCache {
         Ok(())
     }
 
+    /// Asks for the cache lines that [`KvCache::write`] of a block of `rows` will write into layer
+    /// `layer`'s transposed keys: one line in each of `kv_heads · head_dim` rows (a thousand apart),
+    /// which the layer's streamed weights have evicted since the last step. Issued before the layer's
+    /// products, they arrive while those run instead of stalling the write. A no-op for row keys.
+    pub fn prefetch_write(&self, layer: usize, rows: usize) {
+        if let KeyStore::Transposed { layers, width } = &self.keys {
+            let (kt, stride) = (&layers[layer], transposed_stride(self.capacity));
+            let at = kt.as_ptr().wrapping_add(self.len);
+            for c in 0..*width {
+                crate::kernels::prefetch_l2(at.wrapping_add(c * stride).cast(), 4 * rows);
+            }
+        }
+    }
+
     /// Writes a block's keys and values (`[1, rows, kv_heads, head_dim]`) after the committed rows and returns
     /// a view over the values the block attends to (its keys: [`KvCache::keys`]). `len` advances only in
     /// [`KvCache::advance`], once all layers have written.
