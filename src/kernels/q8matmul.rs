@@ -34,9 +34,10 @@
 //! At load the weights are repacked ([`PackedMatrix`]): 16 output rows side by side per block, so that
 //! one 512-bit register (two 256-bit ones) holds 4 consecutive weights of each of 16 outputs and
 //! `vpdpbusd` against 4 broadcast activations accumulates 16 outputs at once, with no horizontal sums.
-//! Q4_0/Q4_1/Q8_0 keep their bytes per weight (4-bit values stay packed, f16 heads); the K-quants cost
-//! more than in GGUF (f32 heads per block of 32, 5- and 6-bit values in a byte each: Q4_K 0.75, Q5_K
-//! and Q6_K 1.25 bytes per weight against 0.56, 0.69 and 0.82), still a fraction of f32's 4. Each block
+//! Every format keeps about its GGUF bytes per weight: 4-bit values stay packed two to a byte (Q5_K's and
+//! Q6_K's high bits in planes beside them), the 32-value formats keep their f16 heads, and the K-quants
+//! keep their sub-block scales as bytes and their super-block scales apart (Q4_K 0.58, Q5_K 0.70, Q6_K
+//! 0.82 bytes per weight against GGUF's 0.56, 0.69 and 0.82; see [`PackedMatrix`]). Each block
 //! of weights is loaded and unpacked once per tile of up to 8 activation rows, and every row of the
 //! tile only adds integer multiply-adds and its one f32 step. Output groups are split into ranges that
 //! the kernel pool ([`super::pool`]) spreads over threads; each output is computed by one thread.
