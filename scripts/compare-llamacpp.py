@@ -65,7 +65,7 @@ def run(cmd, **kw):
 
 
 def probespec_json(args, stdin=None):
-    r = run([a.binary, "--model", a.model, "--json", *args], input=stdin)
+    r = run([a.binary, "--model", a.model, "-t", T, "--json", *args], input=stdin)
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -118,7 +118,7 @@ if "2" in parts:
     for r in range(a.rounds):
         for d in llama_bench(["-p", ",".join(map(str, sizes)), "-n", "0", "-d", "256"]):
             lc[d["n_prompt"]].append(d["avg_ns"] / 1e6)
-        j = json.loads(run([a.binary, "cost", "--model", a.model, "--rows", ",".join(map(str, sizes)),
+        j = json.loads(run([a.binary, "cost", "--model", a.model, "-t", T, "--rows", ",".join(map(str, sizes)),
                             "--cache", "256", "--repeats", "3", "--json"]).stdout)
         for pt in j["points"]:
             pc[pt["rows"]].append(pt["median_ms"])

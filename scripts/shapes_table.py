@@ -73,7 +73,7 @@ def run(a, tools, run_cmd, prompt):
             # 1. plain decoding
             r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
             x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
-            r = run_cmd([a.binary, "--model", f, "--json", "--method", "ar", "--no-chat-template",
+            r = run_cmd([a.binary, "--model", f, "-t", T, "--json", "--method", "ar", "--no-chat-template",
                          "--max-new-tokens", str(NEW_TOKENS), prompt])
             j = json.loads(r.stdout.strip().splitlines()[-1])
             x["ps_tps"].append(j["stats"]["tokens_per_second"])
@@ -83,7 +83,7 @@ def run(a, tools, run_cmd, prompt):
                          "-n", "0", "-d", "256"])
             for d in json.loads(r.stdout):
                 x["lc_ms"][d["n_prompt"]].append(d["avg_ns"] / 1e6)
-            r = run_cmd([a.binary, "cost", "--model", f, "--rows", ",".join(map(str, ROWS)), "--cache", "256",
+            r = run_cmd([a.binary, "cost", "--model", f, "-t", T, "--rows", ",".join(map(str, ROWS)), "--cache", "256",
                          "--repeats", "3", "--json"])
             for pt in json.loads(r.stdout)["points"]:
                 x["ps_ms"][pt["rows"]].append(pt["median_ms"])
@@ -92,7 +92,7 @@ def run(a, tools, run_cmd, prompt):
                                   "-no-cnv", "--no-display-prompt", "-p", prompt], run_cmd)
             x["lc_load"].append(wall)
             x["lc_rss"].append(rss)
-            wall, rss, _ = timed([a.binary, "--model", f, "--method", "ar", "--no-chat-template",
+            wall, rss, _ = timed([a.binary, "--model", f, "-t", T, "--method", "ar", "--no-chat-template",
                                   "--max-new-tokens", "1", prompt], run_cmd)
             x["ps_load"].append(wall)
             x["ps_rss"].append(rss)

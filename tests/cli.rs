@@ -189,6 +189,8 @@ fn invalid_flag_values() {
         "--max-new-tokens",
     );
     fails_with(&["--model", m, "--device", "tpu", "w5"], None, "tpu");
+    fails_with(&["--model", m, "--threads", "0", "w5"], None, "--threads");
+    fails_with(&["--model", m, "-t", "two", "w5"], None, "--threads");
     fails_with(&["--model", m, "--bc", "many", "w5"], None, "many");
     fails_with(
         &[

@@ -168,3 +168,56 @@ fn every_method_with_bc_auto_is_lossless() {
         "the curve is saved once"
     );
 }
+
+/// `--threads` sets the kernel pool's threads (the cost curve reports them), and the answer is the same
+/// tokens whatever their number, plain and speculative: each output of a product is computed by one
+/// thread, in an order fixed by the kernel alone.
+#[test]
+fn the_thread_count_does_not_change_the_answer() {
+    let model = common::smollm2_path();
+    let model = model.to_str().unwrap();
+    for threads in [1, 3] {
+        let t = threads.to_string();
+        let args = [
+            "cost",
+            "--model",
+            model,
+            "-t",
+            &t,
+            "--rows",
+            "1",
+            "--cache",
+            "8",
+            "--repeats",
+            "1",
+            "--json",
+        ];
+        let run = common::binary::probespec(&args).ok();
+        let v: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+        assert_eq!(v["threads"], threads, "{}", run.stdout);
+    }
+    for method in ["ar", "hybrid"] {
+        let answer = |threads: &str| {
+            let run = common::binary::probespec(&[
+                "--model",
+                model,
+                "--threads",
+                threads,
+                "--method",
+                method,
+                "--max-new-tokens",
+                "40",
+                "--json",
+                "Explain in two sentences why the sky is blue.",
+            ])
+            .ok();
+            let v: serde_json::Value = serde_json::from_str(run.stdout.trim()).unwrap();
+            v["token_ids"].clone()
+        };
+        let one = answer("1");
+        assert_eq!(one.as_array().map(Vec::len), Some(40), "{method}: {one}");
+        for threads in ["2", "3"] {
+            assert_eq!(answer(threads), one, "{method}: --threads {threads} against 1");
+        }
+    }
+}

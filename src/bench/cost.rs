@@ -107,14 +107,16 @@ pub fn run(a: &CostOptions) -> Result<()> {
     }
     let device = format!("{:?}", model.device.location());
     let dtype = model.dtype.as_str();
+    // A block's cost depends on the threads that share it.
+    let threads = super::facts::threads();
     let mut text = String::new();
     if a.json {
-        let v = serde_json::json!({ "model": name, "device": device, "dtype": dtype,
+        let v = serde_json::json!({ "model": name, "device": device, "dtype": dtype, "threads": threads,
                                     "repeats": a.repeats, "points": points });
         text.push_str(&format!("{v}\n"));
     } else {
         text.push_str(&format!(
-            "{name} on {device}, {dtype}, median of {} runs\n",
+            "{name} on {device}, {dtype}, {threads} threads, median of {} runs\n",
             a.repeats
         ));
         text.push_str(&format!(

@@ -20,8 +20,10 @@ pub fn cpu_model() -> String {
     "unknown".into()
 }
 
+/// The threads the kernels run on: the kernel pool's (`--threads`, else `RAYON_NUM_THREADS`, else one
+/// per core), not the machine's cores.
 pub fn threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    crate::kernels::pool::Pool::global().threads()
 }
 
 /// First line of a command's stdout, if it ran and succeeded.

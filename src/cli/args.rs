@@ -32,6 +32,10 @@ pub struct ModelArgs {
     /// Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) or f32 (the dequantised model's exact numbers).
     #[arg(long, value_enum, default_value_t = ActivationsArg::Q8)]
     pub activations: ActivationsArg,
+    /// CPU threads, the calling one included (as llama.cpp's -t). Default: `RAYON_NUM_THREADS` if set,
+    /// else one per core.
+    #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
+    pub threads: Option<u16>,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +45,14 @@ pub enum ActivationsArg {
 }
 
 impl ModelArgs {
+    /// Applies `--threads` to the process: the kernel pool, rayon and candle all size themselves from
+    /// `RAYON_NUM_THREADS` when they first start. Call before anything has spawned a thread.
+    pub fn apply_threads(&self) {
+        if let Some(n) = self.threads {
+            std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+        }
+    }
+
     pub fn options(&self) -> ModelOptions {
         ModelOptions {
             model: self.model.clone(),

@@ -70,6 +70,14 @@ pub fn main() -> i32 {
             return 2;
         }
     };
+    let model = match &cli.command {
+        Some(Command::Generate(args)) => &args.model,
+        Some(Command::Bench(args)) => &args.run.model,
+        Some(Command::Cost(args)) => &args.model,
+        Some(Command::Serve(args)) => &args.model,
+        Some(Command::ShapeGguf(_)) | None => &cli.generate.model,
+    };
+    model.apply_threads();
     let result = match cli.command {
         Some(Command::Generate(args)) => generate::run_generate(&args),
         Some(Command::Bench(args)) => bench::run_bench(&args),
