@@ -133,25 +133,6 @@ impl KvCache {
         Ok(())
     }
 
-    /// Asks for the cache lines that [`KvCache::write`] of a small block of `rows` will write into
-    /// layer `layer`'s transposed keys: a line in each of `kv_heads · head_dim` rows, a capacity apart,
-    /// which the weights streamed since the last step have evicted. Issued before the layer's products,
-    /// they arrive while those run instead of stalling the write (SmolLM2: the write's scattered stores
-    /// went from 1.1% to 0.5% of decoding's samples). A no-op for row keys and for long blocks (a
-    /// prompt's), whose writes run along each row.
-    pub fn prefetch_write(&self, layer: usize, rows: usize) {
-        if let KeyStore::Transposed { layers, width } = &self.keys {
-            if rows > 16 {
-                return;
-            }
-            let (kt, stride) = (&layers[layer], transposed_stride(self.capacity));
-            let at = kt.as_ptr().wrapping_add(self.len);
-            for c in 0..*width {
-                crate::kernels::prefetch_l2(at.wrapping_add(c * stride).cast(), 4 * rows);
-            }
-        }
-    }
-
     /// Writes a block's keys and values (`[1, rows, kv_heads, head_dim]`) after the committed rows and returns
     /// a view over the values the block attends to (its keys: [`KvCache::keys`]). `len` advances only in
     /// [`KvCache::advance`], once all layers have written.

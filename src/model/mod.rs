@@ -321,7 +321,6 @@ impl Transformer {
         let rows = x.dim(0)?;
         let (kernels, exact) = (self.cpu_kernels(), self.ops.row_invariant());
         l.v_proj.prefetch_hint(HINT_BYTES);
-        cache.prefetch_write(layer_idx, rows);
         let h = l.attn_norm.forward(x, kernels)?;
         let [q, k, v] = Linear::forward_many([&l.q_proj, &l.k_proj, &l.v_proj], &h, exact)?;
         l.o_proj.prefetch_hint(HINT_BYTES);
