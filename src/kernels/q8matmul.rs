@@ -742,6 +742,28 @@ struct Blocks<'a> {
     s: &'a mut [f32],
 }
 
+impl Blocks<'_> {
+    /// The blocks of `x`, checked to fit these outputs.
+    fn fit(&self, x: &[f32]) -> usize {
+        let n = x.len() / BLOCK;
+        assert!(self.q.len() >= n * BLOCK && self.d.len() >= n && self.s.len() >= n);
+        assert!(self.sum.len() >= n && self.sum_lo.len() >= n);
+        n
+    }
+
+    /// Block `i`'s scale and sums, and `s = d · Σq` from them.
+    ///
+    /// # Safety
+    /// `i` below [`Blocks::fit`]'s count.
+    #[inline(always)]
+    unsafe fn set_block(&mut self, i: usize, d: f32, sum: i32, sum_lo: i32) {
+        *self.d.get_unchecked_mut(i) = d;
+        *self.sum.get_unchecked_mut(i) = sum;
+        *self.sum_lo.get_unchecked_mut(i) = sum_lo;
+        *self.s.get_unchecked_mut(i) = d * sum as f32;
+    }
+}
+
 /// [`quantize_blocks`] on the widest vectors the CPU has ([`Width::best`], detected once), written out
 /// for AVX-512 and AVX2 ([`quantize_blocks_avx512`], [`quantize_blocks_avx2`]): the compiler's
 /// vectorisation of the portable loop took two cycles a value, 5% of a prefill, and on AVX2 1.8% of
@@ -770,11 +792,9 @@ fn quantize_blocks_with(x: &[f32], out: Blocks) {
 /// The CPU must have AVX-512 F and VL ([`Isa::Avx512`]).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-unsafe fn quantize_blocks_avx512(x: &[f32], out: Blocks) {
+unsafe fn quantize_blocks_avx512(x: &[f32], mut out: Blocks) {
     use std::arch::x86_64::*;
-    let n = x.len() / BLOCK;
-    assert!(out.q.len() >= n * BLOCK && out.d.len() >= n && out.sum.len() >= n && out.sum_lo.len() >= n);
-    assert!(out.s.len() >= n);
+    let n = out.fit(x);
     let abs = _mm512_set1_epi32(0x7fff_ffff);
     let magic = _mm512_set1_ps(ROUND_MAGIC);
     let magic_bits = _mm512_set1_epi32(ROUND_MAGIC.to_bits() as i32);
@@ -800,10 +820,7 @@ unsafe fn quantize_blocks_avx512(x: &[f32], out: Blocks) {
         _mm_storeu_si128(q.add(16).cast(), _mm512_cvtepi32_epi8(qhi));
         let sum_lo = _mm512_reduce_add_epi32(qlo);
         let sum = sum_lo.wrapping_add(_mm512_reduce_add_epi32(qhi));
-        *out.d.get_unchecked_mut(i) = d;
-        *out.sum.get_unchecked_mut(i) = sum;
-        *out.sum_lo.get_unchecked_mut(i) = sum_lo;
-        *out.s.get_unchecked_mut(i) = d * sum as f32;
+        out.set_block(i, d, sum, sum_lo);
     }
 }
 
@@ -816,11 +833,9 @@ unsafe fn quantize_blocks_avx512(x: &[f32], out: Blocks) {
 /// The CPU must have AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_blocks_avx2(x: &[f32], out: Blocks) {
+unsafe fn quantize_blocks_avx2(x: &[f32], mut out: Blocks) {
     use std::arch::x86_64::*;
-    let n = x.len() / BLOCK;
-    assert!(out.q.len() >= n * BLOCK && out.d.len() >= n && out.sum.len() >= n && out.sum_lo.len() >= n);
-    assert!(out.s.len() >= n);
+    let n = out.fit(x);
     let abs = _mm256_set1_epi32(0x7fff_ffff);
     let byte = _mm256_set1_epi32(0xff);
     let magic = _mm256_set1_ps(ROUND_MAGIC);
@@ -860,10 +875,7 @@ unsafe fn quantize_blocks_avx2(x: &[f32], out: Blocks) {
         _mm256_storeu_si256(out.q.as_mut_ptr().add(i * BLOCK).cast(), bytes);
         let sum_lo = hsum(_mm256_add_epi32(qi[0], qi[1]));
         let sum = sum_lo.wrapping_add(hsum(_mm256_add_epi32(qi[2], qi[3])));
-        *out.d.get_unchecked_mut(i) = d;
-        *out.sum.get_unchecked_mut(i) = sum;
-        *out.sum_lo.get_unchecked_mut(i) = sum_lo;
-        *out.s.get_unchecked_mut(i) = d * sum as f32;
+        out.set_block(i, d, sum, sum_lo);
     }
 }
 
