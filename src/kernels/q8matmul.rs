@@ -678,8 +678,8 @@ pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
     out
 }
 
-/// [`quantize_rows`] into `out`, reusing its buffers: a decoding step quantises four inputs a layer, and
-/// five fresh vectors each were a tenth of a small model's allocations.
+/// [`quantize_rows`] into `out`, reusing its buffers: a decoding step quantises four inputs a layer,
+/// which would otherwise take five fresh vectors each.
 ///
 /// # Panics
 /// As [`quantize_rows`].
