@@ -70,14 +70,7 @@ pub fn main() -> i32 {
             return 2;
         }
     };
-    let model = match &cli.command {
-        Some(Command::Generate(args)) => &args.model,
-        Some(Command::Bench(args)) => &args.run.model,
-        Some(Command::Cost(args)) => &args.model,
-        Some(Command::Serve(args)) => &args.model,
-        Some(Command::ShapeGguf(_)) | None => &cli.generate.model,
-    };
-    model.apply_threads();
+    model_args(&cli).apply_threads();
     let result = match cli.command {
         Some(Command::Generate(args)) => generate::run_generate(&args),
         Some(Command::Bench(args)) => bench::run_bench(&args),
@@ -97,10 +90,49 @@ pub fn main() -> i32 {
     }
 }
 
+/// The model flags of the command given (the default generation's where it takes none).
+fn model_args(cli: &Cli) -> &ModelArgs {
+    match &cli.command {
+        Some(Command::Generate(args)) => &args.model,
+        Some(Command::Bench(args)) => &args.run.model,
+        Some(Command::Cost(args)) => &args.model,
+        Some(Command::Serve(args)) => &args.model,
+        Some(Command::ShapeGguf(_)) | None => &cli.generate.model,
+    }
+}
+
 /// Whether an error comes from writing to a closed pipe.
 fn is_broken_pipe(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         c.downcast_ref::<std::io::Error>()
             .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// clap's own consistency checks over every subcommand (two flags with one short name, a default
+    /// that its parser rejects, ...), which a release build does not run when it parses.
+    #[test]
+    fn the_command_line_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    /// `--threads` parses on every command that loads a model, short and long.
+    #[test]
+    fn threads_is_accepted_by_every_model_command() {
+        for args in [
+            &["probespec", "-t", "3", "hi"][..],
+            &["probespec", "generate", "--threads", "3", "hi"],
+            &["probespec", "cost", "-t", "3"],
+            &["probespec", "bench", "-t", "3"],
+            &["probespec", "serve", "-t", "3"],
+        ] {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(model_args(&cli).threads, Some(3), "{args:?}");
+        }
+    }
 }
