@@ -113,12 +113,32 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 mod tests {
     use super::*;
 
-    /// clap's own consistency checks over every subcommand (two flags with one short name, a default
-    /// that its parser rejects, ...), which a release build does not run when it parses.
+    /// No two flags of a command share a short or a long name (clap checks that only in debug builds,
+    /// and the tests run in release), in the top-level command and every subcommand.
     #[test]
-    fn the_command_line_definition_is_consistent() {
+    fn no_two_flags_share_a_name() {
         use clap::CommandFactory;
-        Cli::command().debug_assert();
+        fn check(cmd: &clap::Command, path: &str) {
+            let mut shorts = std::collections::HashSet::new();
+            let mut longs = std::collections::HashSet::new();
+            for arg in cmd.get_arguments() {
+                if let Some(c) = arg.get_short() {
+                    assert!(shorts.insert(c), "{path}: two flags are -{c}");
+                }
+                if let Some(l) = arg.get_long() {
+                    assert!(longs.insert(l), "{path}: two flags are --{l}");
+                }
+            }
+            for sub in cmd.get_subcommands() {
+                check(sub, &format!("{path} {}", sub.get_name()));
+            }
+        }
+        let cmd = Cli::command();
+        check(&cmd, "probespec");
+        assert!(
+            cmd.get_subcommands().count() >= 5,
+            "the subcommands were not walked"
+        );
     }
 
     /// `--threads` parses on every command that loads a model, short and long.
