@@ -638,7 +638,7 @@ impl PackedMatrix {
 }
 
 /// Activation rows quantised per block of 32 (step 1 of the module's recipe).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct QuantRows {
     rows: usize,
     cols: usize,
@@ -665,15 +665,7 @@ const ROUND_MAGIC: f32 = 12_582_912.0;
 /// # Panics
 /// If `cols` is not a multiple of 32 or `x` is not `rows · cols` long.
 pub fn quantize_rows(x: &[f32], rows: usize, cols: usize) -> QuantRows {
-    let mut out = QuantRows {
-        rows: 0,
-        cols: 0,
-        q: Vec::new(),
-        d: Vec::new(),
-        sum: Vec::new(),
-        sum_lo: Vec::new(),
-        s: Vec::new(),
-    };
+    let mut out = QuantRows::default();
     quantize_rows_into(&mut out, x, rows, cols);
     out
 }
@@ -1876,14 +1868,14 @@ pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
         }
     }
     thread_local! {
-        static ACTIVATIONS: std::cell::RefCell<QuantRows> = std::cell::RefCell::new(quantize_rows(&[], 0, 0));
+        static ACTIVATIONS: std::cell::RefCell<QuantRows> = Default::default();
     }
     ACTIVATIONS.with_borrow_mut(|a| {
         super::with_f32(x, |xs| quantize_rows_into(a, xs, m, k))?;
         let ys = products_of(a, ws);
         // A long prompt's activations are not kept for the one-row steps after it.
         if a.q.capacity() > KEEP_ACTIVATION_BYTES {
-            *a = quantize_rows(&[], 0, 0);
+            *a = QuantRows::default();
         }
         ys
     })
