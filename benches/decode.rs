@@ -29,6 +29,7 @@ fn model(dequantize: bool) -> Session {
         dtype: Some(DType::F32),
         dequantize,
         activations: Default::default(),
+        kv_dtype: None,
     })
     .unwrap()
 }

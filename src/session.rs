@@ -60,6 +60,8 @@ pub struct ModelOptions {
     pub dequantize: bool,
     /// Activations for GGUF quantised weights on the CPU: 8-bit (default) or f32.
     pub activations: Activations,
+    /// What the CPU kernels' KV cache holds (f32 or bf16); `None`: [`crate::model::DEFAULT_KV_DTYPE`].
+    pub kv_dtype: Option<DType>,
 }
 
 impl ModelOptions {
@@ -132,6 +134,10 @@ impl Session {
                 activations: opts.activations,
             },
         )?;
+        let model = match opts.kv_dtype {
+            Some(kv) => loaded.model.with_kv_dtype(kv)?,
+            None => loaded.model,
+        };
         let model_id = match &source {
             ModelSource::HfDir(p) | ModelSource::Gguf(p) => p.display().to_string(),
             ModelSource::Hub(id) => id.clone(),
@@ -143,9 +149,13 @@ impl Session {
         }
         .to_string();
         // Ops other than the device's default (`PROBESPEC_OPS`) cost differently: a curve of their own.
-        let ops = loaded.model.ops();
-        if ops != crate::model::Ops::default_for(&loaded.model.device, dtype) {
+        let ops = model.ops();
+        if ops != crate::model::Ops::default_for(&model.device, dtype) {
             activations = format!("{activations}-{}", ops.name());
+        }
+        // A bf16 KV cache reads half the bytes per cached token (curves measured before it, f32 ones).
+        if ops == crate::model::Ops::Kernels && model.kv_dtype() == DType::BF16 {
+            activations = format!("{activations}-kv-bf16");
         }
         let cost_store = CurveStore::new(CurveKey::new(
             &model_id,
@@ -153,9 +163,9 @@ impl Session {
             dtype.as_str(),
             &activations,
         ));
-        cost_cache::attach(&loaded.model, cost_store.clone());
+        cost_cache::attach(&model, cost_store.clone());
         Ok(Session {
-            model: loaded.model,
+            model,
             tokenizer: loaded.tokenizer,
             description: loaded.description,
             cost_store,

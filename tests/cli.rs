@@ -191,6 +191,7 @@ fn invalid_flag_values() {
     fails_with(&["--model", m, "--device", "tpu", "w5"], None, "tpu");
     fails_with(&["--model", m, "--threads", "0", "w5"], None, "--threads");
     fails_with(&["--model", m, "-t", "two", "w5"], None, "--threads");
+    fails_with(&["--model", m, "--kv-cache", "f16", "w5"], None, "--kv-cache");
     fails_with(&["--model", m, "--bc", "many", "w5"], None, "many");
     fails_with(
         &[

@@ -15,6 +15,10 @@ fn smollm2() -> Session {
 }
 
 fn smollm2_with(activations: Activations) -> Session {
+    smollm2_kv(activations, None)
+}
+
+fn smollm2_kv(activations: Activations, kv_dtype: Option<DType>) -> Session {
     let path = common::smollm2_path();
     Session::load(&ModelOptions {
         model: Some(path.to_str().unwrap().to_string()),
@@ -22,6 +26,7 @@ fn smollm2_with(activations: Activations) -> Session {
         dtype: Some(DType::F32),
         dequantize: false,
         activations,
+        kv_dtype,
     })
     .unwrap()
 }
@@ -129,6 +134,31 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     // An exact implementation reaches about 1.2 on this model (docs/ESP.md, reference acceptance); far lower
     // means a bug in the mask offsets, attention pattern or cache compaction.
     assert!(tau > 1.12, "tau {tau:.3} is too low for ESP on SmolLM2");
+}
+
+/// The KV cache is f32 unless asked otherwise, and a bf16 one (`--kv-cache bf16`) is lossless too: ESP's
+/// trees against plain decoding with the same cache, on a question of each Spec-Bench group.
+#[test]
+fn the_bf16_kv_cache_is_lossless_too() {
+    assert_eq!(smollm2().model.kv_dtype(), DType::F32);
+    let m = smollm2_kv(Activations::default(), Some(DType::BF16));
+    assert_eq!(m.model.kv_dtype(), DType::BF16);
+    let params = GenerateParams {
+        max_new_tokens: 40,
+        sampling: Default::default(),
+        stop_tokens: m.stop_tokens(),
+    };
+    for (cat, text) in specbench_prompts(1) {
+        let ids = m.encode_prompt(&text, None, true).unwrap();
+        let want = m.generate(&ids, &Method::Ar, &params, &mut |_| Ok(())).unwrap();
+        for cfg in [
+            esp(30, 1, EspTree::Dynamic),
+            esp(60, 2, EspTree::Static(Some(vec![15, 4]))),
+        ] {
+            let got = m.generate(&ids, &cfg, &params, &mut |_| Ok(())).unwrap();
+            assert_eq!(got.tokens, want.tokens, "mismatch ({cat}), {cfg:?}");
+        }
+    }
 }
 
 /// Every method under `--bc auto` (the default) on the real model: token-identical to plain decoding. The

@@ -36,6 +36,18 @@ pub struct ModelArgs {
     /// else one per core.
     #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
+    /// What the KV cache holds on the CPU in f32 (the default dtype there): f32 (default) or bf16 (half
+    /// the memory, for long contexts; rounds keys and values, which changes answers about as often as
+    /// 8-bit activations do). Either is lossless: plain and speculative decoding share it.
+    /// (`--dtype f16/bf16` on the CPU caches f32, a GPU the model's dtype.)
+    #[arg(long, value_enum)]
+    pub kv_cache: Option<KvCacheArg>,
+}
+
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCacheArg {
+    F32,
+    Bf16,
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +83,10 @@ impl ModelArgs {
                 ActivationsArg::Q8 => Activations::Q8,
                 ActivationsArg::F32 => Activations::F32,
             },
+            kv_dtype: self.kv_cache.map(|k| match k {
+                KvCacheArg::F32 => DType::F32,
+                KvCacheArg::Bf16 => DType::BF16,
+            }),
         }
     }
 }

@@ -112,6 +112,7 @@ fn is_broken_pipe(e: &anyhow::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::DType;
 
     /// No two flags of a command share a short or a long name (clap checks that only in debug builds,
     /// and the tests run in release), in the top-level command and every subcommand.
@@ -154,5 +155,24 @@ mod tests {
             let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
             assert_eq!(model_args(&cli).threads, Some(3), "{args:?}");
         }
+    }
+
+    #[test]
+    fn kv_cache_is_accepted_by_every_model_command() {
+        for (args, want) in [
+            (&["probespec", "--kv-cache", "f32", "hi"][..], Some(DType::F32)),
+            (
+                &["probespec", "generate", "--kv-cache", "bf16", "hi"],
+                Some(DType::BF16),
+            ),
+            (&["probespec", "cost", "--kv-cache", "f32"], Some(DType::F32)),
+            (&["probespec", "bench", "--kv-cache", "f32"], Some(DType::F32)),
+            (&["probespec", "serve", "--kv-cache", "f32"], Some(DType::F32)),
+            (&["probespec", "hi"], None),
+        ] {
+            let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(model_args(&cli).options().kv_dtype, want, "{args:?}");
+        }
+        assert!(Cli::try_parse_from(["probespec", "--kv-cache", "f16", "hi"]).is_err());
     }
 }

@@ -43,11 +43,34 @@ pub const KEY_CHUNK: usize = 64;
 /// Keys laid out as the scores read them, kept by the caller across calls (the KV cache): key `j`'s
 /// value `d` of key/value head `h` at `data[(h · hd + d) · stride + j]`, `stride` at least the keys
 /// rounded up to a whole [`KEY_CHUNK`] (a chunk is read whole; what lies past the last key is never
-/// used).
+/// used). `E`: f32, or bf16 beside bf16 values ([`KvElement`]).
 #[derive(Clone, Copy)]
-pub struct TransposedKeys<'a> {
-    pub data: &'a [f32],
+pub struct TransposedKeys<'a, E = f32> {
+    pub data: &'a [E],
     pub stride: usize,
+}
+
+/// What a KV cache may hold: f32, or bf16 (half the bytes, which a decoding step reads for every cached
+/// token: at 1024 tokens SmolLM2's are 45 MB in f32, half its weights). The kernel reads either as f32:
+/// a bf16 is the top half of an f32's bits, so the conversion is exact and the recipe above is the
+/// same on the converted values (rounding to bf16 happens once, when the cache is written).
+pub trait KvElement: Copy + Send + Sync + 'static {
+    fn to_f32(self) -> f32;
+}
+
+impl KvElement for f32 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl KvElement for half::bf16 {
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        // A shift, which vectorises (half's own conversion branches on NaN; this keeps a NaN a NaN).
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
 }
 /// (Row, head) slots accumulated together in step 5: 4 x 64 f32 accumulators fill 16 vector registers.
 const VALUE_SLOTS: usize = 4;
@@ -171,10 +194,10 @@ impl Width {
 }
 
 /// One attention problem, cut into units of (key/value head, tile of query rows).
-struct Problem<'a> {
+struct Problem<'a, E> {
     qv: &'a [f32],
-    keys_in: KeyData<'a>,
-    vd: &'a [f32],
+    keys_in: KeyData<'a, E>,
+    vd: &'a [E],
     vis: Visibility<'a>,
     scale: f32,
     rows: usize,
@@ -188,11 +211,11 @@ struct Problem<'a> {
 
 /// The keys as the kernel reads them.
 #[derive(Clone, Copy)]
-enum KeyData<'a> {
-    /// Row-major like the values (`row_stride` apart): each unit transposes its own.
+enum KeyData<'a, E> {
+    /// Row-major like the values (`row_stride` apart), f32: each unit transposes its own.
     Rows(&'a [f32]),
     /// Already transposed by the caller.
-    Transposed(TransposedKeys<'a>),
+    Transposed(TransposedKeys<'a, E>),
 }
 
 /// Per-unit buffers.
@@ -213,7 +236,7 @@ struct Scratch {
     inv: Vec<f32>,
 }
 
-impl Problem<'_> {
+impl<E: KvElement> Problem<'_, E> {
     fn units(&self) -> usize {
         self.kv_heads * self.rows.div_ceil(self.tile)
     }
@@ -255,14 +278,6 @@ impl Problem<'_> {
             Visibility::Additive(_) => keys,
         };
         let kp = seen.next_multiple_of(KEY_CHUNK);
-        // `kt[d · ks + j]`: key j's value d of this head.
-        let (kt, ks) = match self.keys_in {
-            KeyData::Transposed(t) => (&t.data[kvh * hd * t.stride..][..hd * t.stride], t.stride),
-            KeyData::Rows(kd) => {
-                self.transpose_keys(width, kd, kvh, seen, kp, &mut s.kt);
-                (&s.kt[..hd * kp], kp)
-            }
-        };
         // Every (row, head) of the unit is scored chunk by chunk, while the chunk's keys sit in L1.
         let slots = rows.len() * group;
         if s.scores.len() < slots * kp {
@@ -272,20 +287,16 @@ impl Problem<'_> {
             let (r, g) = (rows.start + slot / group, slot % group);
             &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
         };
-        // Four slots at a time where 32 vector registers hold their 16 chains, else two.
-        let quads = width == Width::W512;
-        for j0 in (0..kp).step_by(KEY_CHUNK) {
-            // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
-            // would otherwise score 320; a score is its own chain, so the width cannot change it).
-            let (keys, scores) = ((kt, ks), (&mut s.scores[..], kp));
-            // The next chunk's keys are asked for while this one is scored: its 64 rows lie `ks` apart,
-            // a pattern the hardware prefetcher does not follow.
-            let ahead = Some(j0 + KEY_CHUNK).filter(|&a| a < seen);
-            match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
-                1 => score_slots::<16>(slots, q, keys, j0, scores, quads, ahead),
-                2 => score_slots::<32>(slots, q, keys, j0, scores, quads, ahead),
-                3 => score_slots::<48>(slots, q, keys, j0, scores, quads, ahead),
-                _ => score_slots::<KEY_CHUNK>(slots, q, keys, j0, scores, quads, ahead),
+        // `kt[d · ks + j]`: key j's value d of this head.
+        let scores = (&mut s.scores[..], kp);
+        match self.keys_in {
+            KeyData::Transposed(t) => {
+                let kt = &t.data[kvh * hd * t.stride..][..hd * t.stride];
+                score_all(width, slots, q, (kt, t.stride), seen, scores)
+            }
+            KeyData::Rows(kd) => {
+                self.transpose_keys(width, kd, kvh, seen, kp, &mut s.kt);
+                score_all(width, slots, q, (&s.kt[..hd * kp], kp), seen, scores)
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
@@ -510,13 +521,13 @@ impl Problem<'_> {
         for t in 0..len {
             if prefetch && t + PREFETCH_KEYS < len {
                 let ahead = at(keys.key(t + PREFETCH_KEYS));
-                super::prefetch_l1(self.vd.as_ptr().wrapping_add(ahead).cast(), 4 * n);
+                super::prefetch_l1(self.vd.as_ptr().wrapping_add(ahead).cast(), size_of::<E>() * n);
             }
             let v = &self.vd[at(keys.key(t))..][..n];
             for (a, pi) in local.iter_mut().zip(&p) {
                 let pt = pi[t];
                 for l in 0..n {
-                    a[l] = pt.mul_add(v[l], a[l]);
+                    a[l] = pt.mul_add(v[l].to_f32(), a[l]);
                 }
             }
         }
@@ -565,13 +576,42 @@ impl KeyList for &[u32] {
     }
 }
 
+/// Every slot's scores over the keys below `seen` (`slots`, `q`, `keys`, `scores` as in
+/// [`score_slots`]), a [`KEY_CHUNK`] at a time.
+#[inline(always)]
+fn score_all<'q, K: KvElement>(
+    width: Width,
+    slots: usize,
+    q: impl Fn(usize) -> &'q [f32] + Copy,
+    keys: (&[K], usize),
+    seen: usize,
+    (scores, kp): (&mut [f32], usize),
+) {
+    // Four slots at a time where 32 vector registers hold their 16 chains, else two.
+    let quads = width == Width::W512;
+    for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
+        // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
+        // would otherwise score 320; a score is its own chain, so the width cannot change it).
+        let scores = (&mut scores[..], kp);
+        // The next chunk's keys are asked for while this one is scored: its 64 rows lie `ks` apart,
+        // a pattern the hardware prefetcher does not follow.
+        let ahead = Some(j0 + KEY_CHUNK).filter(|&a| a < seen);
+        match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
+            1 => score_slots::<16, K>(slots, q, keys, j0, scores, quads, ahead),
+            2 => score_slots::<32, K>(slots, q, keys, j0, scores, quads, ahead),
+            3 => score_slots::<48, K>(slots, q, keys, j0, scores, quads, ahead),
+            _ => score_slots::<KEY_CHUNK, K>(slots, q, keys, j0, scores, quads, ahead),
+        }
+    }
+}
+
 /// `scores[i][l] = Σ_d q_i[d] · kt[d · ks + j0 + l]` for the W (at most [`KEY_CHUNK`]) keys from `j0`
 /// and each of the N query vectors (step 1's dot products): each a fused multiply-add chain in `d`
 /// order, N · W/16 independent 16-lane chains, each key chunk loaded once for all N.
 #[inline(always)]
-fn score_chunk<const N: usize, const W: usize>(
+fn score_chunk<const N: usize, const W: usize, K: KvElement>(
     q: [&[f32]; N],
-    kt: &[f32],
+    kt: &[K],
     ks: usize,
     j0: usize,
     ahead: Option<usize>,
@@ -579,13 +619,16 @@ fn score_chunk<const N: usize, const W: usize>(
     let mut acc = [[0.0f32; W]; N];
     for d in 0..q[0].len() {
         if let Some(a) = ahead {
-            super::prefetch_l1(kt.as_ptr().wrapping_add(d * ks + a).cast(), 4 * KEY_CHUNK);
+            super::prefetch_l1(
+                kt.as_ptr().wrapping_add(d * ks + a).cast(),
+                size_of::<K>() * KEY_CHUNK,
+            );
         }
         let k = &kt[d * ks + j0..][..W];
         for (a, qi) in acc.iter_mut().zip(&q) {
             let qd = qi[d];
             for l in 0..W {
-                a[l] = qd.mul_add(k[l], a[l]);
+                a[l] = qd.mul_add(k[l].to_f32(), a[l]);
             }
         }
     }
@@ -598,10 +641,10 @@ fn score_chunk<const N: usize, const W: usize>(
 /// chains, what AVX2's 16 hold); the last one or two slots in smaller groups. The first group also asks
 /// for the keys of the chunk at `ahead`, if any.
 #[inline(always)]
-fn score_slots<'q, const W: usize>(
+fn score_slots<'q, const W: usize, K: KvElement>(
     slots: usize,
     q: impl Fn(usize) -> &'q [f32],
-    (kt, ks): (&[f32], usize),
+    (kt, ks): (&[K], usize),
     j0: usize,
     (scores, kp): (&mut [f32], usize),
     quads: bool,
@@ -613,12 +656,12 @@ fn score_slots<'q, const W: usize>(
         let out = &mut scores[slot * kp + j0..];
         if quads && slot + 3 < slots {
             let qs = [q(slot), q(slot + 1), q(slot + 2), q(slot + 3)];
-            for (i, chunk) in score_chunk::<4, W>(qs, kt, ks, j0, ahead).iter().enumerate() {
+            for (i, chunk) in score_chunk::<4, W, K>(qs, kt, ks, j0, ahead).iter().enumerate() {
                 out[i * kp..][..W].copy_from_slice(chunk);
             }
             slot += 4;
         } else if slot + 1 < slots {
-            for (i, chunk) in score_chunk::<2, W>([q(slot), q(slot + 1)], kt, ks, j0, ahead)
+            for (i, chunk) in score_chunk::<2, W, K>([q(slot), q(slot + 1)], kt, ks, j0, ahead)
                 .iter()
                 .enumerate()
             {
@@ -626,7 +669,7 @@ fn score_slots<'q, const W: usize>(
             }
             slot += 2;
         } else {
-            out[..W].copy_from_slice(&score_chunk::<1, W>([q(slot)], kt, ks, j0, ahead)[0]);
+            out[..W].copy_from_slice(&score_chunk::<1, W, K>([q(slot)], kt, ks, j0, ahead)[0]);
             slot += 1;
         }
     }
@@ -732,13 +775,16 @@ pub fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, vis: Visibility, scale:
 /// The keys attention reads.
 #[derive(Clone, Copy)]
 pub enum Keys<'a> {
-    /// `[1, keys, kv_heads, hd]` as the values: each call transposes them.
+    /// `[1, keys, kv_heads, hd]` as the values (f32): each call transposes them.
     Rows(&'a Tensor),
     /// Kept transposed by the caller (the values give their number and heads): read as they are.
     Transposed(TransposedKeys<'a>),
+    /// As `Transposed`, in bf16, beside bf16 values.
+    TransposedBf16(TransposedKeys<'a, half::bf16>),
 }
 
-/// [`attention_f32`] with the keys in either form (the same bits).
+/// [`attention_f32`] with the keys in either form (the same bits), and the values f32, or bf16 with
+/// [`Keys::TransposedBf16`] (the bits of f32 keys and values holding the same numbers).
 pub fn attention_f32_keys(q: &Tensor, k: Keys, v: &Tensor, vis: Visibility, scale: f32) -> Result<Tensor> {
     attention_with(Width::best(), q, k, v, vis, scale)
 }
@@ -758,7 +804,8 @@ pub fn attention_f32_with(
     attention_with(width, q, Keys::Rows(k), v, vis, scale)
 }
 
-fn attention_with(
+/// [`attention_f32_keys`] on an explicit width.
+pub(crate) fn attention_with(
     width: Width,
     q: &Tensor,
     k: Keys,
@@ -767,8 +814,15 @@ fn attention_with(
     scale: f32,
 ) -> Result<Tensor> {
     assert!(width.available(), "{width:?} attention on a CPU without it");
-    if q.dtype() != DType::F32 || v.dtype() != DType::F32 {
-        return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
+    let types_error = || {
+        Error::Msg(format!(
+            "attention_f32 takes f32 queries and f32 keys and values, or transposed bf16 keys with bf16 values (q {:?}, v {:?})",
+            q.dtype(),
+            v.dtype()
+        ))
+    };
+    if q.dtype() != DType::F32 {
+        return Err(types_error());
     }
     let (_, rows, heads, hd) = q.dims4()?;
     let (_, keys, kv_heads, vhd) = v.dims4()?;
@@ -796,36 +850,93 @@ fn attention_with(
     if !contiguous(vl) {
         return Err(rows_error());
     }
-    let vd = super::cpu_f32(&vg, vl.start_offset())?;
-    let k_storage;
-    let keys_in = match k {
-        Keys::Rows(k) => {
+    fn transposed<E>(
+        t: TransposedKeys<'_, E>,
+        keys: usize,
+        kv_heads: usize,
+        hd: usize,
+    ) -> Result<KeyData<'_, E>> {
+        if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
+            return Err(Error::Msg(format!(
+                "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
+                t.stride,
+                t.data.len()
+            )));
+        }
+        Ok(KeyData::Transposed(t))
+    }
+    let shape = Shape {
+        rows,
+        keys,
+        heads,
+        kv_heads,
+        hd,
+        row_stride,
+    };
+    let out = match (k, v.dtype()) {
+        (Keys::TransposedBf16(t), DType::BF16) => {
+            let candle_core::Storage::Cpu(candle_core::CpuStorage::BF16(vd)) = &*vg else {
+                return Err(types_error());
+            };
+            let keys_in = transposed(t, keys, kv_heads, hd)?;
+            run(width, qv, keys_in, &vd[vl.start_offset()..], vis, scale, shape)
+        }
+        (Keys::Rows(k), DType::F32) => {
             let (kdims, vdims) = (k.dims(), v.dims());
             if k.dtype() != DType::F32 {
-                return Err(Error::Msg("attention_f32 takes f32 tensors".into()));
+                return Err(types_error());
             }
             if kdims != vdims {
                 return Err(Error::Msg(format!(
                     "attention_f32: keys {kdims:?} and values {vdims:?}"
                 )));
             }
-            k_storage = k.storage_and_layout();
-            if !contiguous(k_storage.1) {
+            let (kg, kl) = k.storage_and_layout();
+            if !contiguous(kl) {
                 return Err(rows_error());
             }
-            KeyData::Rows(super::cpu_f32(&k_storage.0, k_storage.1.start_offset())?)
+            let keys_in = KeyData::<f32>::Rows(super::cpu_f32(&kg, kl.start_offset())?);
+            let vd = super::cpu_f32(&vg, vl.start_offset())?;
+            run(width, qv, keys_in, vd, vis, scale, shape)
         }
-        Keys::Transposed(t) => {
-            if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
-                return Err(Error::Msg(format!(
-                    "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
-                    t.stride,
-                    t.data.len()
-                )));
-            }
-            KeyData::Transposed(t)
+        (Keys::Transposed(t), DType::F32) => {
+            let keys_in = transposed(t, keys, kv_heads, hd)?;
+            let vd = super::cpu_f32(&vg, vl.start_offset())?;
+            run(width, qv, keys_in, vd, vis, scale, shape)
         }
+        _ => return Err(types_error()),
     };
+    Tensor::from_vec(out, (rows, heads * hd), q.device())
+}
+
+/// An attention problem's sizes ([`Problem`]'s).
+#[derive(Clone, Copy)]
+struct Shape {
+    rows: usize,
+    keys: usize,
+    heads: usize,
+    kv_heads: usize,
+    hd: usize,
+    row_stride: usize,
+}
+
+/// The problem's units on the kernel pool: `[rows, heads · hd]` outputs.
+fn run<E: KvElement>(
+    width: Width,
+    qv: &[f32],
+    keys_in: KeyData<'_, E>,
+    vd: &[E],
+    vis: Visibility,
+    scale: f32,
+    Shape {
+        rows,
+        keys,
+        heads,
+        kv_heads,
+        hd,
+        row_stride,
+    }: Shape,
+) -> Vec<f32> {
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
     // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units
@@ -855,7 +966,7 @@ fn attention_with(
         }
         SCRATCH.with(|s| problem.unit_with(width, u, &mut s.borrow_mut(), &shared));
     });
-    Tensor::from_vec(out, (rows, heads * hd), q.device())
+    out
 }
 
 #[cfg(test)]
@@ -1111,6 +1222,65 @@ mod tests {
             0.1
         )
         .is_err());
+    }
+
+    /// bf16 keys (transposed) and values: on every width, the bits of f32 attention over the same
+    /// numbers (the keys and values rounded to bf16 first), which must differ from the unrounded ones'.
+    #[test]
+    fn bf16_keys_and_values_are_read_as_their_f32_values() {
+        use half::bf16;
+        let (rows, heads, kvh, hd, cached) = (5, 8, 2, 72, 83);
+        let keys = cached + rows;
+        let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 23);
+        // Values of a few magnitudes, so that rounding moves most of them.
+        let spread = |t: &Tensor| {
+            let x: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            let x: Vec<f32> = x
+                .iter()
+                .enumerate()
+                .map(|(i, &x)| x * [0.37, 3.1, 17.3][i % 3])
+                .collect();
+            Tensor::from_vec(x, t.shape(), &Device::Cpu).unwrap()
+        };
+        let (k, v) = (spread(&k), spread(&v));
+        let rounded = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let (k16, v16) = (rounded(&k), rounded(&v));
+        let kv: Vec<f32> = k.flatten_all().unwrap().to_vec1().unwrap();
+        let stride = 2 * KEY_CHUNK;
+        let mut data = vec![bf16::NAN; kvh * hd * stride];
+        for j in 0..keys {
+            for c in 0..kvh * hd {
+                data[c * stride + j] = bf16::from_f32(kv[j * kvh * hd + c]);
+            }
+        }
+        let kt = TransposedKeys { data: &data, stride };
+        let v_bf16 = v.to_dtype(DType::BF16).unwrap();
+        let mask: Vec<f32> = (0..rows * keys)
+            .map(|i| {
+                if i % keys < cached || i % 4 == 0 {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+            .collect();
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+        for width in Width::ALL.into_iter().filter(|w| w.available()) {
+            for vis in [Visibility::Causal { offset: cached }, Visibility::Additive(&mask)] {
+                let want = flat(attention_f32_with(width, &q, &k16, &v16, vis, 0.125).unwrap());
+                let got =
+                    flat(attention_with(width, &q, Keys::TransposedBf16(kt), &v_bf16, vis, 0.125).unwrap());
+                assert!(want.iter().all(|x| x.is_finite()));
+                assert!(same(&want, &got), "{width:?}: bf16 cache against its f32 values");
+                let unrounded = flat(attention_f32_with(width, &q, &k, &v, vis, 0.125).unwrap());
+                assert!(!same(&unrounded, &got), "{width:?}: the rounding changed nothing");
+            }
+        }
+        // bf16 keys with f32 values (or the reverse) are refused.
+        let vis = Visibility::Causal { offset: cached };
+        assert!(attention_f32_keys(&q, Keys::TransposedBf16(kt), &v, vis, 0.125).is_err());
+        assert!(attention_f32_keys(&q, Keys::Rows(&k), &v_bf16, vis, 0.125).is_err());
     }
 
     /// `cargo test --release --lib attention::tests::timing -- --ignored --nocapture`: µs per call of

@@ -2,7 +2,8 @@
 //! for values, written in place. Speculative steps append a whole block, then keep only the accepted rows.
 //!
 //! For the CPU kernels the keys are kept transposed instead ([`TransposedKeys`]), as the attention
-//! kernel scores them: laid out once when written rather than on every step.
+//! kernel scores them: laid out once when written rather than on every step; and keys and values may be
+//! kept in bf16 ([`crate::kernels::KvElement`]), rounded once when written.
 
 use crate::kernels::{Keys, TransposedKeys};
 use anyhow::{bail, Result};
@@ -19,9 +20,66 @@ pub struct KvCache {
 enum KeyStore {
     /// Per layer `[1, capacity, kv_heads, head_dim]`, as the values.
     Rows(Vec<Tensor>),
-    /// Per layer `[width][transposed_stride(capacity)]` ([`TransposedKeys`]), `width` = kv_heads ·
-    /// head_dim: for the CPU kernels.
-    Transposed { layers: Vec<Vec<f32>>, width: usize },
+    /// Transposed, for the CPU kernels: f32, or bf16 beside bf16 values.
+    Transposed(Transposed<f32>),
+    TransposedBf16(Transposed<half::bf16>),
+}
+
+/// Per layer `[width][transposed_stride(capacity)]` ([`TransposedKeys`]), `width` = kv_heads · head_dim.
+struct Transposed<T> {
+    layers: Vec<Vec<T>>,
+    width: usize,
+}
+
+impl<T: Copy + Default> Transposed<T> {
+    fn new(num_layers: usize, width: usize, capacity: usize) -> Self {
+        Transposed {
+            layers: vec![vec![T::default(); width * transposed_stride(capacity)]; num_layers],
+            width,
+        }
+    }
+
+    /// Re-laid out for `capacity` keys, keeping the first `len`.
+    fn grow(&mut self, old: usize, capacity: usize, len: usize) {
+        let (old, new) = (transposed_stride(old), transposed_stride(capacity));
+        for kt in self.layers.iter_mut() {
+            let mut grown = vec![T::default(); self.width * new];
+            for (to, from) in grown.chunks_exact_mut(new).zip(kt.chunks_exact(old)) {
+                to[..len].copy_from_slice(&from[..len]);
+            }
+            *kt = grown;
+        }
+    }
+
+    /// Keys `k` (rows of `width` values) written from key `at` of `layer`, each converted by `to`.
+    fn write(&mut self, layer: usize, capacity: usize, at: usize, k: &[f32], to: impl Fn(f32) -> T) {
+        let (kt, stride) = (&mut self.layers[layer], transposed_stride(capacity));
+        for (r, row) in k.chunks_exact(self.width).enumerate() {
+            for (c, &x) in row.iter().enumerate() {
+                kt[c * stride + at + r] = to(x);
+            }
+        }
+    }
+
+    /// [`KvCache::keep`] on the transposed keys.
+    fn keep(&mut self, capacity: usize, start: usize, rows: &[usize]) {
+        for kt in self.layers.iter_mut() {
+            for col in kt.chunks_exact_mut(transposed_stride(capacity)) {
+                let col = &mut col[start..];
+                // Ascending offsets, each at or after its destination: in place.
+                for (i, &r) in rows.iter().enumerate() {
+                    col[i] = col[r];
+                }
+            }
+        }
+    }
+
+    fn keys(&self, layer: usize, capacity: usize) -> TransposedKeys<'_, T> {
+        TransposedKeys {
+            data: &self.layers[layer],
+            stride: transposed_stride(capacity),
+        }
+    }
 }
 
 /// Columns of a transposed key row for `capacity` keys: whole chunks of the kernel's scores, which read
@@ -32,7 +90,7 @@ fn transposed_stride(capacity: usize) -> usize {
 }
 
 impl KvCache {
-    /// With `transposed`, the keys are kept only as the CPU kernels read them (f32 only).
+    /// With `transposed`, the keys are kept only as the CPU kernels read them (`dtype` f32 or bf16).
     pub fn new(
         num_layers: usize,
         capacity: usize,
@@ -42,19 +100,18 @@ impl KvCache {
         device: &Device,
         transposed: bool,
     ) -> Result<Self> {
-        if transposed && dtype != DType::F32 {
-            bail!("transposed keys are f32");
+        if transposed && !matches!(dtype, DType::F32 | DType::BF16) {
+            bail!("transposed keys are f32 or bf16, not {dtype:?}");
         }
         let buffer = || Tensor::zeros((1, capacity, kv_heads, head_dim), dtype, device);
         let values = (0..num_layers)
             .map(|_| buffer())
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let keys = if transposed {
-            let width = kv_heads * head_dim;
-            KeyStore::Transposed {
-                layers: vec![vec![0.0f32; width * transposed_stride(capacity)]; num_layers],
-                width,
-            }
+        let width = kv_heads * head_dim;
+        let keys = if transposed && dtype == DType::BF16 {
+            KeyStore::TransposedBf16(Transposed::new(num_layers, width, capacity))
+        } else if transposed {
+            KeyStore::Transposed(Transposed::new(num_layers, width, capacity))
         } else {
             KeyStore::Rows(
                 (0..num_layers)
@@ -74,7 +131,7 @@ impl KvCache {
     fn row_buffers(&mut self) -> impl Iterator<Item = &mut Tensor> {
         let keys = match &mut self.keys {
             KeyStore::Rows(k) => k.as_mut_slice(),
-            KeyStore::Transposed { .. } => &mut [],
+            KeyStore::Transposed(_) | KeyStore::TransposedBf16(_) => &mut [],
         };
         keys.iter_mut().chain(self.values.iter_mut())
     }
@@ -93,15 +150,10 @@ impl KvCache {
             }
             *t = grown;
         }
-        if let KeyStore::Transposed { layers, width } = &mut self.keys {
-            let (old, new) = (transposed_stride(self.capacity), transposed_stride(capacity));
-            for kt in layers.iter_mut() {
-                let mut grown = vec![0.0f32; *width * new];
-                for (to, from) in grown.chunks_exact_mut(new).zip(kt.chunks_exact(old)) {
-                    to[..len].copy_from_slice(&from[..len]);
-                }
-                *kt = grown;
-            }
+        match &mut self.keys {
+            KeyStore::Rows(_) => {}
+            KeyStore::Transposed(t) => t.grow(self.capacity, capacity, len),
+            KeyStore::TransposedBf16(t) => t.grow(self.capacity, capacity, len),
         }
         self.capacity = capacity;
         Ok(())
@@ -142,19 +194,17 @@ impl KvCache {
         self.ensure_room(rows)?;
         let len = self.len;
         let dtype = self.values[layer].dtype();
-        let (k, v) = (&k.to_dtype(dtype)?, &v.to_dtype(dtype)?);
+        let v = &v.to_dtype(dtype)?;
+        let capacity = self.capacity;
         match &mut self.keys {
-            KeyStore::Rows(keys) => keys[layer].slice_set(k, 1, len)?,
-            KeyStore::Transposed { layers, width } => {
-                let (kt, width, stride) = (&mut layers[layer], *width, transposed_stride(self.capacity));
-                crate::kernels::with_f32(k, |kv| {
-                    for (r, row) in kv.chunks_exact(width).enumerate() {
-                        for (c, &x) in row.iter().enumerate() {
-                            kt[c * stride + len + r] = x;
-                        }
-                    }
-                })?;
-            }
+            KeyStore::Rows(keys) => keys[layer].slice_set(&k.to_dtype(dtype)?, 1, len)?,
+            KeyStore::Transposed(t) => crate::kernels::with_f32(&k.to_dtype(DType::F32)?, |k| {
+                t.write(layer, capacity, len, k, |x| x)
+            })?,
+            // Rounded to nearest, ties to even, as candle converts the values.
+            KeyStore::TransposedBf16(t) => crate::kernels::with_f32(&k.to_dtype(DType::F32)?, |k| {
+                t.write(layer, capacity, len, k, half::bf16::from_f32)
+            })?,
         }
         self.values[layer].slice_set(v, 1, len)?;
         Ok(self.values[layer].narrow(1, 0, len + rows)?)
@@ -165,10 +215,8 @@ impl KvCache {
     pub fn keys(&self, layer: usize) -> Keys<'_> {
         match &self.keys {
             KeyStore::Rows(keys) => Keys::Rows(&keys[layer]),
-            KeyStore::Transposed { layers, .. } => Keys::Transposed(TransposedKeys {
-                data: &layers[layer],
-                stride: transposed_stride(self.capacity),
-            }),
+            KeyStore::Transposed(t) => Keys::Transposed(t.keys(layer, self.capacity)),
+            KeyStore::TransposedBf16(t) => Keys::TransposedBf16(t.keys(layer, self.capacity)),
         }
     }
 
@@ -195,17 +243,10 @@ impl KvCache {
                 let kept = t.narrow(1, start, span)?.index_select(&idx, 1)?;
                 t.slice_set(&kept, 1, start)?;
             }
-            if let KeyStore::Transposed { layers, .. } = &mut self.keys {
-                let stride = transposed_stride(self.capacity);
-                for kt in layers.iter_mut() {
-                    for col in kt.chunks_exact_mut(stride) {
-                        let col = &mut col[start..];
-                        // Ascending offsets, each at or after its destination: in place.
-                        for (i, &r) in rows.iter().enumerate() {
-                            col[i] = col[r];
-                        }
-                    }
-                }
+            match &mut self.keys {
+                KeyStore::Rows(_) => {}
+                KeyStore::Transposed(t) => t.keep(self.capacity, start, rows),
+                KeyStore::TransposedBf16(t) => t.keep(self.capacity, start, rows),
             }
         }
         self.len = start + rows.len();
@@ -217,16 +258,27 @@ impl KvCache {
 mod tests {
     use super::*;
 
-    /// The transposed keys against the rows written (`rows[j]`: key j's `kv_heads · head_dim` values).
+    /// The transposed keys against the rows written (`rows[j]`: key j's `kv_heads · head_dim` values),
+    /// in f32 or rounded to bf16 as the cache holds them.
     fn assert_transposed_match(cache: &KvCache, layer: usize, rows: &[Vec<f32>]) {
         assert_eq!(cache.len(), rows.len());
-        let Keys::Transposed(t) = cache.keys(layer) else {
-            panic!("keys kept as rows");
+        let (stride, key): (usize, Box<dyn Fn(usize) -> f32>) = match cache.keys(layer) {
+            Keys::Transposed(t) => (t.stride, Box::new(move |i| t.data[i])),
+            Keys::TransposedBf16(t) => (t.stride, Box::new(move |i| t.data[i].to_f32())),
+            Keys::Rows(_) => panic!("keys kept as rows"),
         };
-        assert!(t.stride >= cache.capacity().next_multiple_of(crate::kernels::KEY_CHUNK));
+        assert!(stride >= cache.capacity().next_multiple_of(crate::kernels::KEY_CHUNK));
         for (j, row) in rows.iter().enumerate() {
             for (c, &x) in row.iter().enumerate() {
-                assert_eq!(t.data[c * t.stride + j], x, "key {j}, column {c}");
+                let want = match cache.keys(layer) {
+                    Keys::TransposedBf16(_) => half::bf16::from_f32(x).to_f32(),
+                    _ => x,
+                };
+                assert_eq!(
+                    key(c * stride + j).to_bits(),
+                    want.to_bits(),
+                    "key {j}, column {c}"
+                );
             }
         }
     }
@@ -235,11 +287,23 @@ mod tests {
     /// keys follow the row-major ones through each.
     #[test]
     fn transposed_keys_follow_writes_keeps_and_growth() {
+        for dtype in [DType::F32, DType::BF16] {
+            transposed_keys_follow(dtype);
+        }
+        let rows = KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false).unwrap();
+        assert!(matches!(rows.keys(0), Keys::Rows(_)));
+        assert!(KvCache::new(1, 4, 1, 4, DType::F16, &Device::Cpu, true).is_err());
+    }
+
+    /// Blocks written, a tree's rows kept out of order of their slots, the buffers grown, in a `dtype`
+    /// cache: the transposed keys follow the rows written, and the values are those rows in `dtype`.
+    fn transposed_keys_follow(dtype: DType) {
         let (layers, kvh, hd) = (2, 3, 4);
-        let mut cache = KvCache::new(layers, 10, kvh, hd, DType::F32, &Device::Cpu, true).unwrap();
+        let mut cache = KvCache::new(layers, 10, kvh, hd, dtype, &Device::Cpu, true).unwrap();
         // Per layer, the rows the cache should hold.
         let mut shadow: Vec<Vec<Vec<f32>>> = vec![Vec::new(); layers];
-        let mut next = 0.0f32;
+        // Values with more bits than bf16 keeps (257 and up), so that rounding shows.
+        let mut next = 256.0f32;
         let mut write = |cache: &mut KvCache, shadow: &mut Vec<Vec<Vec<f32>>>, rows: usize| {
             for (l, held) in shadow.iter_mut().enumerate() {
                 let v: Vec<f32> = (0..rows * kvh * hd)
@@ -252,6 +316,20 @@ mod tests {
                 let k = Tensor::from_vec(v, (1, rows, kvh, hd), &Device::Cpu).unwrap();
                 let values = cache.write(l, &k, &k).unwrap();
                 assert_eq!(values.dim(1).unwrap(), held.len());
+                assert_eq!(values.dtype(), dtype);
+                let want = Tensor::from_vec(held.concat(), (1, held.len(), kvh, hd), &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap();
+                let bits = |t: &Tensor| {
+                    t.to_dtype(DType::F32)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1::<f32>()
+                        .unwrap()
+                };
+                assert_eq!(bits(&values), bits(&want), "layer {l}'s values");
             }
             cache.advance(rows);
         };
@@ -268,7 +346,5 @@ mod tests {
         (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
         write(&mut cache, &mut shadow, 5);
         (0..layers).for_each(|l| assert_transposed_match(&cache, l, &shadow[l]));
-        let rows = KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false).unwrap();
-        assert!(matches!(rows.keys(0), Keys::Rows(_)));
     }
 }
