@@ -72,11 +72,9 @@ impl KvElement for half::bf16 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
 }
-/// (Row, head) slots accumulated together in step 5: 4 x 64 f32 accumulators fill 16 vector registers.
+/// (Row, head) slots accumulated together in step 5 (64 head dimensions at a time): 4 x 64 f32
+/// accumulators fill 16 of AVX-512's 32 vector registers. (AVX2: [`avx2`].)
 const VALUE_SLOTS: usize = 4;
-
-/// Head dimensions accumulated together in step 5 (per pass over the visible keys).
-const DIM_CHUNK: usize = 64;
 
 /// Rows of a tile at most. A tile scores every key that its last row sees for each of its rows, and
 /// its rows' keys past the tile's first row are summed per row, not shared: a causal prefill of 769
@@ -360,14 +358,19 @@ impl<E: KvElement> Problem<'_, E> {
         s.vis_start.push(s.visible.len());
         // Step 5 for the tile's (row, head) slots, a few at a time.
         let slots = rows.len() * group;
+        // AVX2's 16 registers hold 8 sums beside the loaded values: two slots of 32 dimensions, or one
+        // of 64 ([`avx2`]).
+        let avx2 = width == Width::W256;
         let mut slot0 = 0;
         while slot0 < slots {
-            let n = (slots - slot0).min(VALUE_SLOTS);
-            match n {
-                1 => self.weighted_values::<1>(kvh, rows.start, slot0, shared, s, out),
-                2 => self.weighted_values::<2>(kvh, rows.start, slot0, shared, s, out),
-                3 => self.weighted_values::<3>(kvh, rows.start, slot0, shared, s, out),
-                _ => self.weighted_values::<4>(kvh, rows.start, slot0, shared, s, out),
+            let n = (slots - slot0).min(if avx2 { 2 } else { VALUE_SLOTS });
+            let (w, row0) = (width, rows.start);
+            match (n, avx2) {
+                (1, _) => self.weighted_values::<1, 64>(w, kvh, row0, slot0, shared, s, out),
+                (2, true) => self.weighted_values::<2, 32>(w, kvh, row0, slot0, shared, s, out),
+                (2, _) => self.weighted_values::<2, 64>(w, kvh, row0, slot0, shared, s, out),
+                (3, _) => self.weighted_values::<3, 64>(w, kvh, row0, slot0, shared, s, out),
+                _ => self.weighted_values::<4, 64>(w, kvh, row0, slot0, shared, s, out),
             }
             slot0 += n;
         }
@@ -438,8 +441,10 @@ impl<E: KvElement> Problem<'_, E> {
     /// 0 .. shared for every slot, so their values are read once for all N; each slot then continues
     /// its own chain over the rest of its leading run and then its listed keys.
     #[inline(always)]
-    fn weighted_values<const N: usize>(
+    #[allow(clippy::too_many_arguments)]
+    fn weighted_values<const N: usize, const D: usize>(
         &self,
+        width: Width,
         kvh: usize,
         row0: usize,
         slot0: usize,
@@ -455,15 +460,17 @@ impl<E: KvElement> Problem<'_, E> {
             let start = s.p_start[slot0 + i];
             &s.p[start..start + lead(i) + listed(i).len()]
         });
-        for d0 in (0..hd).step_by(DIM_CHUNK) {
-            let n = DIM_CHUNK.min(hd - d0);
-            let mut acc = [[0.0f32; DIM_CHUNK]; N];
-            self.accumulate::<N, _>(kvh, KeyRun(0..shared), p, d0, n, slot0 == 0, &mut acc);
+        for d0 in (0..hd).step_by(D) {
+            let n = D.min(hd - d0);
+            let mut acc = [[0.0f32; D]; N];
+            let first = slot0 == 0;
+            self.accumulate::<N, D, _>(width, kvh, KeyRun(0..shared), p, d0, n, first, &mut acc);
             for (i, a) in acc.iter_mut().enumerate() {
-                let one: &mut [[f32; DIM_CHUNK]; 1] = std::slice::from_mut(a).try_into().unwrap();
+                let one: &mut [[f32; D]; 1] = std::slice::from_mut(a).try_into().unwrap();
                 let (run, pi) = (KeyRun(shared..lead(i)), &p[i][shared..]);
-                self.accumulate::<1, _>(kvh, run.clone(), [pi], d0, n, false, one);
-                self.accumulate::<1, _>(kvh, listed(i), [&pi[run.len()..]], d0, n, false, one);
+                self.accumulate::<1, D, _>(width, kvh, run.clone(), [pi], d0, n, false, one);
+                let rest = [&pi[run.len()..]];
+                self.accumulate::<1, D, _>(width, kvh, listed(i), rest, d0, n, false, one);
                 let (r, g) = (row0 + ri(i), (slot0 + i) % group);
                 // SAFETY: row r's head g of this group is written by this unit only.
                 let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
@@ -475,26 +482,55 @@ impl<E: KvElement> Problem<'_, E> {
         }
     }
 
-    /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= DIM_CHUNK`);
+    /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= D`);
     /// with `prefetch`, the values [`PREFETCH_KEYS`] keys ahead are asked for (the first pass of a tile
     /// over its keys: the later ones find them in the caches). A whole chunk is compiled at its constant
     /// width, so that its accumulators stay in registers.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)] // the accumulators' inputs, kept apart so that widths stay constant
-    fn accumulate<const N: usize, K: KeyList>(
+    fn accumulate<const N: usize, const D: usize, K: KeyList>(
         &self,
+        width: Width,
         kvh: usize,
         keys: K,
         p: [&[f32]; N],
         d0: usize,
         n: usize,
         prefetch: bool,
-        acc: &mut [[f32; DIM_CHUNK]; N],
+        acc: &mut [[f32; D]; N],
     ) {
-        if n == DIM_CHUNK {
-            self.accumulate_n::<N, K>(kvh, keys, p, d0, DIM_CHUNK, prefetch, acc)
+        #[cfg(target_arch = "x86_64")]
+        if width == Width::W256 && n == D {
+            let sums = acc.as_mut_ptr().cast::<f32>();
+            // SAFETY: W256 runs only where the CPU has AVX2 and FMA (`attention_with` checks); `sums`
+            // holds N · D values, 8 V a slot.
+            match (N, D) {
+                (2, 32) => {
+                    return unsafe {
+                        avx2::accumulate::<2, 4, _, _>(
+                            self,
+                            kvh,
+                            keys,
+                            p[..2].try_into().unwrap(),
+                            d0,
+                            prefetch,
+                            sums,
+                        )
+                    }
+                }
+                (1, 64) => {
+                    return unsafe {
+                        avx2::accumulate::<1, 8, _, _>(self, kvh, keys, [p[0]], d0, prefetch, sums)
+                    }
+                }
+                _ => {}
+            }
+        }
+        let _ = width;
+        if n == D {
+            self.accumulate_n::<N, D, K>(kvh, keys, p, d0, D, prefetch, acc)
         } else {
-            self.accumulate_n::<N, K>(kvh, keys, p, d0, n, prefetch, acc)
+            self.accumulate_n::<N, D, K>(kvh, keys, p, d0, n, prefetch, acc)
         }
     }
 
@@ -502,7 +538,7 @@ impl<E: KvElement> Problem<'_, E> {
     /// inherit the caller's target features (its `mul_add`s became calls: 20 times slower, measured).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    fn accumulate_n<const N: usize, K: KeyList>(
+    fn accumulate_n<const N: usize, const D: usize, K: KeyList>(
         &self,
         kvh: usize,
         keys: K,
@@ -510,7 +546,7 @@ impl<E: KvElement> Problem<'_, E> {
         d0: usize,
         n: usize,
         prefetch: bool,
-        acc: &mut [[f32; DIM_CHUNK]; N],
+        acc: &mut [[f32; D]; N],
     ) {
         // A local copy, so that the accumulators stay in registers (a store through `acc` would be
         // observable if a bounds check panicked); `p` cut to the keys so that its checks go.
@@ -587,6 +623,11 @@ fn score_all<'q, K: KvElement>(
     seen: usize,
     (scores, kp): (&mut [f32], usize),
 ) {
+    #[cfg(target_arch = "x86_64")]
+    if width == Width::W256 {
+        // SAFETY: W256 runs only where the CPU has AVX2 and FMA (`attention_with` checks).
+        return unsafe { avx2::score_all(slots, q, keys, seen, (scores, kp)) };
+    }
     // Four slots at a time where 32 vector registers hold their 16 chains, else two.
     let quads = width == Width::W512;
     for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
@@ -967,6 +1008,170 @@ fn run<E: KvElement>(
         SCRATCH.with(|s| problem.unit_with(width, u, &mut s.borrow_mut(), &shared));
     });
     out
+}
+
+/// The scores and weighted sums written out in AVX2. Left to the compiler, code shared with AVX-512's
+/// 32 registers (16 sums of 16 lanes) spilled sums to the stack on AVX2's 16 and split rows of 32 sums
+/// 1 + 8 + 8 + 8 + 4 + 2 + 1 with the loaded keys shuffled to match: three quarters of SmolLM2's attention
+/// time after 1024 keys went to those reloads and shuffles. Here every pass keeps 8 sums (of 8 lanes) in
+/// registers beside the vectors they share: two slots x 32 keys or dimensions, or one slot x 64. Each sum
+/// is the same fused multiply-add chain, in the same order, as the portable code's.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::*;
+    use std::arch::x86_64::*;
+
+    /// 8 values from `p` as f32 (a bf16 widened by moving its bits to the top of the lane: exact).
+    #[inline(always)]
+    unsafe fn load8<E: KvElement>(p: *const E) -> __m256 {
+        if size_of::<E>() == 2 {
+            let h = _mm_loadu_si128(p.cast());
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            _mm256_loadu_ps(p.cast())
+        }
+    }
+
+    /// [`super::score_all`]: a [`KEY_CHUNK`] of keys at a time, two slots over 32 of its keys per pass
+    /// (a last slot alone over all of them), the chunk only as wide as its keys in whole 16s.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn score_all<'q, K: KvElement>(
+        slots: usize,
+        q: impl Fn(usize) -> &'q [f32],
+        (kt, ks): (&[K], usize),
+        seen: usize,
+        (scores, kp): (&mut [f32], usize),
+    ) {
+        let hd = q(0).len();
+        for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
+            let w = (seen - j0).min(KEY_CHUNK).next_multiple_of(LANES);
+            assert!((hd - 1) * ks + j0 + w <= kt.len() && (slots - 1) * kp + j0 + w <= scores.len());
+            // The next chunk's keys are asked for while this one is scored (its rows lie `ks` apart,
+            // which the hardware prefetcher does not follow).
+            let mut ahead = Some(j0 + KEY_CHUNK).filter(|&a| a < seen);
+            let mut slot = 0;
+            while slot < slots {
+                let out = scores.as_mut_ptr().add(slot * kp);
+                if slot + 1 < slots {
+                    let qs = [q(slot), q(slot + 1)];
+                    for j in (j0..j0 + w).step_by(32) {
+                        match (j0 + w - j).min(32) {
+                            32 => block::<2, 4, K>(qs, kt, ks, j, out, kp, ahead),
+                            _ => block::<2, 2, K>(qs, kt, ks, j, out, kp, ahead),
+                        }
+                        ahead = None;
+                    }
+                    slot += 2;
+                } else {
+                    let qs = [q(slot)];
+                    match w {
+                        64 => block::<1, 8, K>(qs, kt, ks, j0, out, kp, ahead),
+                        48 => block::<1, 6, K>(qs, kt, ks, j0, out, kp, ahead),
+                        32 => block::<1, 4, K>(qs, kt, ks, j0, out, kp, ahead),
+                        _ => block::<1, 2, K>(qs, kt, ks, j0, out, kp, ahead),
+                    }
+                    ahead = None;
+                    slot += 1;
+                }
+            }
+        }
+    }
+
+    /// Scores of N slots over the `8 V` keys from `j`, written at `out + i · kp + j`.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; the keys `j .. j + 8 V` of every one of the `qs[0].len()` rows of `kt` lie within
+    /// it, and `out` has room for row N - 1's.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn block<const N: usize, const V: usize, K: KvElement>(
+        qs: [&[f32]; N],
+        kt: &[K],
+        ks: usize,
+        j: usize,
+        out: *mut f32,
+        kp: usize,
+        ahead: Option<usize>,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); V]; N];
+        for d in 0..qs[0].len() {
+            if let Some(a) = ahead {
+                super::super::prefetch_l1(
+                    kt.as_ptr().wrapping_add(d * ks + a).cast(),
+                    size_of::<K>() * KEY_CHUNK,
+                );
+            }
+            let k = kt.as_ptr().add(d * ks + j);
+            let mut x = [_mm256_setzero_ps(); V];
+            for (g, x) in x.iter_mut().enumerate() {
+                *x = load8(k.add(8 * g));
+            }
+            for (ai, qi) in acc.iter_mut().zip(&qs) {
+                let qd = _mm256_set1_ps(*qi.get_unchecked(d));
+                for (ag, &xg) in ai.iter_mut().zip(&x) {
+                    *ag = _mm256_fmadd_ps(qd, xg, *ag);
+                }
+            }
+        }
+        for (i, ai) in acc.iter().enumerate() {
+            for (g, &ag) in ai.iter().enumerate() {
+                _mm256_storeu_ps(out.add(i * kp + j + 8 * g), ag);
+            }
+        }
+    }
+
+    /// [`Problem::accumulate_n`] of `8 V` dimensions for N slots, `sums` their `[N][8 V]` running sums.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; `sums` valid for N · 8 V values; every key's values `d0 .. d0 + 8 V` inside `vd`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn accumulate<const N: usize, const V: usize, E: KvElement, L: KeyList>(
+        pb: &Problem<'_, E>,
+        kvh: usize,
+        keys: L,
+        p: [&[f32]; N],
+        d0: usize,
+        prefetch: bool,
+        sums: *mut f32,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); V]; N];
+        for (i, ai) in acc.iter_mut().enumerate() {
+            for (g, ag) in ai.iter_mut().enumerate() {
+                *ag = _mm256_loadu_ps(sums.add(i * 8 * V + 8 * g));
+            }
+        }
+        let len = keys.len();
+        let p: [&[f32]; N] = p.map(|pi| &pi[..len]);
+        let at = |j: usize| j * pb.row_stride + pb.hd * kvh + d0;
+        for t in 0..len {
+            if prefetch && t + PREFETCH_KEYS < len {
+                let ahead = at(keys.key(t + PREFETCH_KEYS));
+                super::super::prefetch_l1(pb.vd.as_ptr().wrapping_add(ahead).cast(), size_of::<E>() * 8 * V);
+            }
+            let v = pb.vd[at(keys.key(t))..][..8 * V].as_ptr();
+            let mut x = [_mm256_setzero_ps(); V];
+            for (g, x) in x.iter_mut().enumerate() {
+                *x = load8(v.add(8 * g));
+            }
+            for (ai, pi) in acc.iter_mut().zip(&p) {
+                let pt = _mm256_set1_ps(pi[t]);
+                for (ag, &xg) in ai.iter_mut().zip(&x) {
+                    *ag = _mm256_fmadd_ps(pt, xg, *ag);
+                }
+            }
+        }
+        for (i, ai) in acc.iter().enumerate() {
+            for (g, &ag) in ai.iter().enumerate() {
+                _mm256_storeu_ps(sums.add(i * 8 * V + 8 * g), ag);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
