@@ -65,6 +65,15 @@ pub struct ModelOptions {
 }
 
 impl ModelOptions {
+    /// How GGUF quantised weights are multiplied on the CPU: "q8", "f32" or "dequantized".
+    pub fn activations_name(&self) -> &'static str {
+        match (self.dequantize, self.activations) {
+            (true, _) => "dequantized",
+            (false, Activations::Q8) => "q8",
+            (false, Activations::F32) => "f32",
+        }
+    }
+
     /// The dtype asked for, or the device's default: f32 on the CPU, bf16 on a GPU.
     pub fn dtype_on(&self, device: &Device) -> DType {
         match self.dtype {
@@ -142,12 +151,7 @@ impl Session {
             ModelSource::HfDir(p) | ModelSource::Gguf(p) => p.display().to_string(),
             ModelSource::Hub(id) => id.clone(),
         };
-        let mut activations = match (opts.dequantize, opts.activations) {
-            (true, _) => "dequantized",
-            (false, Activations::Q8) => "q8",
-            (false, Activations::F32) => "f32",
-        }
-        .to_string();
+        let mut activations = opts.activations_name().to_string();
         // Ops other than the device's default (`PROBESPEC_OPS`) cost differently: a curve of their own.
         let ops = model.ops();
         if ops != crate::model::Ops::default_for(&model.device, dtype) {

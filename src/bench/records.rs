@@ -211,6 +211,12 @@ pub struct Settings {
     pub model_description: String,
     pub device: String,
     pub dtype: String,
+    /// `--activations` ("q8", "f32" or "dequantized"; absent in older runs: the default then, q8).
+    #[serde(default = "default_activations")]
+    pub activations: String,
+    /// What the KV cache held ("f32", "bf16"; absent in older runs: f32).
+    #[serde(default = "default_kv_cache")]
+    pub kv_cache: String,
     pub max_new_tokens: usize,
     pub tree: String,
     pub mask_init: String,
@@ -228,6 +234,14 @@ pub struct Settings {
     pub limit_per_category: Option<usize>,
     /// "I/N", or none for a whole run (and a merge).
     pub shard: Option<String>,
+}
+
+fn default_activations() -> String {
+    "q8".into()
+}
+
+fn default_kv_cache() -> String {
+    "f32".into()
 }
 
 /// One `probespec bench` process that wrote records: the machine and build facts of the summary.
@@ -350,5 +364,24 @@ mod tests {
             kept.iter().map(|r| r.question_id).collect::<Vec<_>>(),
             vec![1, 1, 3]
         );
+    }
+
+    /// Runs recorded before `activations` and `kv_cache` were settings read as the defaults of their day,
+    /// and a resumed run with another KV cache is told apart.
+    #[test]
+    fn older_settings_read_with_the_defaults_of_their_day() {
+        let old = r#"{"model":"default","model_description":"m.gguf","device":"cpu","dtype":"f32",
+            "max_new_tokens":64,"tree":"dynamic","mask_init":"mean","mask_lambda":0.1,"seed":0,
+            "system":null,"questions_file":"q.jsonl","questions_hash":"0","categories":[],
+            "limit_per_category":null,"shard":null}"#;
+        let s: Settings = serde_json::from_str(old).unwrap();
+        assert_eq!((s.activations.as_str(), s.kv_cache.as_str()), ("q8", "f32"));
+        let bf16 = Settings {
+            kv_cache: "bf16".into(),
+            ..s.clone()
+        };
+        let diffs = setting_differences(&s, &bf16, &[]);
+        assert_eq!(diffs.len(), 1, "{diffs:?}");
+        assert!(diffs[0].starts_with("kv_cache"), "{diffs:?}");
     }
 }

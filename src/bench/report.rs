@@ -305,10 +305,12 @@ pub fn render_table(run: &RunInfo, report: &Report) -> String {
     let s = &run.settings;
     let mut out = String::new();
     out.push_str(&format!(
-        "Spec-Bench: {} ({}, {}), max {} new tokens, {} questions{}\n\n",
+        "Spec-Bench: {} ({}, {}, {} activations, {} KV cache), max {} new tokens, {} questions{}\n\n",
         s.model_description,
         s.device,
         s.dtype,
+        s.activations,
+        s.kv_cache,
         s.max_new_tokens,
         report.questions,
         s.shard

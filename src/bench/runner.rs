@@ -279,6 +279,8 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         model_description: String::new(),
         device: a.model.device.name().to_string(),
         dtype: String::new(),
+        activations: a.model.activations_name().to_string(),
+        kv_cache: String::new(),
         max_new_tokens: a.max_new_tokens,
         tree: if a.static_tree { "static" } else { "dynamic" }.to_string(),
         mask_init: a.mask_init.name().to_string(),
@@ -310,7 +312,10 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         }
         Ok(())
     };
-    check(&settings, &["questions_file", "model_description", "dtype"])?;
+    check(
+        &settings,
+        &["questions_file", "model_description", "dtype", "kv_cache"],
+    )?;
 
     let loaded = Session::load(&a.model)?;
     if !loaded.tokenizer.has_chat_template() {
@@ -321,6 +326,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
     }
     settings.model_description = loaded.description.clone();
     settings.dtype = loaded.model.dtype.as_str().to_string();
+    settings.kv_cache = loaded.model.kv_dtype().as_str().to_string();
     check(&settings, &["questions_file"])?;
 
     // Resume: keep finished conversations, drop a half-written line and half-done conversations.
