@@ -19,7 +19,8 @@
 //! ([`Width`]) give the same bits.
 //!
 //! # Speed
-//! Keys are transposed once per (key/value head, tile of query rows) into `[head_dim][keys]`, so the
+//! Keys are transposed once per (key/value head, tile of query rows) into `[head_dim][keys]` (or kept
+//! so by the KV cache, a chunk of keys at a time: [`TransposedKeys`]), so the
 //! scores of 16 keys fill one vector with no horizontal sums, and that transposed block is shared by
 //! every query head of the group and every row of the tile: the query rows of a block share each key
 //! read. Units of (key/value head, row tile) run on the kernel pool.
@@ -40,14 +41,42 @@ const LANES: usize = 16;
 /// Keys scored together: 8 independent 16-lane chains hide the fused multiply-add latency.
 pub const KEY_CHUNK: usize = 64;
 
-/// Keys laid out as the scores read them, kept by the caller across calls (the KV cache): key `j`'s
-/// value `d` of key/value head `h` at `data[(h · hd + d) · stride + j]`, `stride` at least the keys
-/// rounded up to a whole [`KEY_CHUNK`] (a chunk is read whole; what lies past the last key is never
-/// used). `E`: f32, or bf16 beside bf16 values ([`KvElement`]).
+/// Keys laid out as the scores read them, kept by the caller across calls (the KV cache): per key/value
+/// head, per [`KEY_CHUNK`] of keys, `[head_dim][KEY_CHUNK]` ([`transposed_key_index`]), `stride` a
+/// whole number of chunks at least as many as the keys (a chunk is read whole; what lies past the last
+/// key is never used). A chunk is one run of memory, which the hardware prefetcher follows; as
+/// `[head_dim][stride]` rows, each chunk was 64 runs a few KiB apart. `E`: f32, or bf16 beside bf16
+/// values ([`KvElement`]).
 #[derive(Clone, Copy)]
 pub struct TransposedKeys<'a, E = f32> {
     pub data: &'a [E],
     pub stride: usize,
+}
+
+/// Where [`TransposedKeys`] keep key `j`'s value `d` of key/value head `h` (head size `hd`).
+#[inline(always)]
+pub fn transposed_key_index(hd: usize, stride: usize, h: usize, d: usize, j: usize) -> usize {
+    h * hd * stride + (j / KEY_CHUNK) * hd * KEY_CHUNK + d * KEY_CHUNK + j % KEY_CHUNK
+}
+
+/// Where a chunk of keys lies in the keys a unit scores: the caller's [`TransposedKeys`] (chunks of
+/// `[hd][KEY_CHUNK]`), or a unit's own transposed rows (`[hd][ks]`).
+#[derive(Clone, Copy)]
+enum KeyLayout {
+    Chunks { hd: usize },
+    Rows { ks: usize },
+}
+
+impl KeyLayout {
+    /// The offset of key `j0`'s first value (`j0` a multiple of [`KEY_CHUNK`]) and the distance
+    /// between its chunk's rows.
+    #[inline(always)]
+    fn chunk(self, j0: usize) -> (usize, usize) {
+        match self {
+            KeyLayout::Chunks { hd } => (j0 / KEY_CHUNK * hd * KEY_CHUNK, KEY_CHUNK),
+            KeyLayout::Rows { ks } => (j0, ks),
+        }
+    }
 }
 
 /// What a KV cache may hold: f32, or bf16 (half the bytes, which a decoding step reads for every cached
@@ -290,11 +319,12 @@ impl<E: KvElement> Problem<'_, E> {
         match self.keys_in {
             KeyData::Transposed(t) => {
                 let kt = &t.data[kvh * hd * t.stride..][..hd * t.stride];
-                score_all(width, slots, q, (kt, t.stride), seen, scores)
+                score_all(width, slots, q, (kt, KeyLayout::Chunks { hd }), seen, scores)
             }
             KeyData::Rows(kd) => {
                 self.transpose_keys(width, kd, kvh, seen, kp, &mut s.kt);
-                score_all(width, slots, q, (&s.kt[..hd * kp], kp), seen, scores)
+                let keys = (&s.kt[..hd * kp], KeyLayout::Rows { ks: kp });
+                score_all(width, slots, q, keys, seen, scores)
             }
         }
         // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
@@ -619,29 +649,31 @@ fn score_all<'q, K: KvElement>(
     width: Width,
     slots: usize,
     q: impl Fn(usize) -> &'q [f32] + Copy,
-    keys: (&[K], usize),
+    (kt, layout): (&[K], KeyLayout),
     seen: usize,
     (scores, kp): (&mut [f32], usize),
 ) {
     #[cfg(target_arch = "x86_64")]
     if width == Width::W256 {
         // SAFETY: W256 runs only where the CPU has AVX2 and FMA (`attention_with` checks).
-        return unsafe { avx2::score_all(slots, q, keys, seen, (scores, kp)) };
+        return unsafe { avx2::score_all(slots, q, (kt, layout), seen, (scores, kp)) };
     }
     // Four slots at a time where 32 vector registers hold their 16 chains, else two.
     let quads = width == Width::W512;
     for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
         // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
         // would otherwise score 320; a score is its own chain, so the width cannot change it).
-        let scores = (&mut scores[..], kp);
-        // The next chunk's keys are asked for while this one is scored: its 64 rows lie `ks` apart,
-        // a pattern the hardware prefetcher does not follow.
-        let ahead = Some(j0 + KEY_CHUNK).filter(|&a| a < seen);
+        // The chunk's keys and scores from their start.
+        let (at, ks) = layout.chunk(j0);
+        let (keys, scores) = ((&kt[at..], ks), (&mut scores[j0..], kp));
+        // The next chunk's keys are asked for while this one is scored (as rows, its 64 rows lie `ks`
+        // apart, a pattern the hardware prefetcher does not follow).
+        let ahead = (j0 + KEY_CHUNK < seen).then(|| layout.chunk(j0 + KEY_CHUNK).0 - at);
         match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
-            1 => score_slots::<16, K>(slots, q, keys, j0, scores, quads, ahead),
-            2 => score_slots::<32, K>(slots, q, keys, j0, scores, quads, ahead),
-            3 => score_slots::<48, K>(slots, q, keys, j0, scores, quads, ahead),
-            _ => score_slots::<KEY_CHUNK, K>(slots, q, keys, j0, scores, quads, ahead),
+            1 => score_slots::<16, K>(slots, q, keys, 0, scores, quads, ahead),
+            2 => score_slots::<32, K>(slots, q, keys, 0, scores, quads, ahead),
+            3 => score_slots::<48, K>(slots, q, keys, 0, scores, quads, ahead),
+            _ => score_slots::<KEY_CHUNK, K>(slots, q, keys, 0, scores, quads, ahead),
         }
     }
 }
@@ -897,7 +929,8 @@ pub(crate) fn attention_with(
         kv_heads: usize,
         hd: usize,
     ) -> Result<KeyData<'_, E>> {
-        if t.stride < keys.next_multiple_of(KEY_CHUNK) || t.data.len() < kv_heads * hd * t.stride {
+        let short = t.stride < keys || !t.stride.is_multiple_of(KEY_CHUNK);
+        if short || t.data.len() < kv_heads * hd * t.stride {
             return Err(Error::Msg(format!(
                 "attention_f32: transposed keys of stride {} ({} values) for {keys} keys of {kv_heads} x {hd}",
                 t.stride,
@@ -1041,24 +1074,26 @@ mod avx2 {
     pub(super) unsafe fn score_all<'q, K: KvElement>(
         slots: usize,
         q: impl Fn(usize) -> &'q [f32],
-        (kt, ks): (&[K], usize),
+        (kt, layout): (&[K], KeyLayout),
         seen: usize,
         (scores, kp): (&mut [f32], usize),
     ) {
         let hd = q(0).len();
         for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
             let w = (seen - j0).min(KEY_CHUNK).next_multiple_of(LANES);
-            assert!((hd - 1) * ks + j0 + w <= kt.len() && (slots - 1) * kp + j0 + w <= scores.len());
-            // The next chunk's keys are asked for while this one is scored (its rows lie `ks` apart,
-            // which the hardware prefetcher does not follow).
-            let mut ahead = Some(j0 + KEY_CHUNK).filter(|&a| a < seen);
+            // The chunk's keys and scores from their start.
+            let (at, ks) = layout.chunk(j0);
+            let kt = &kt[at..];
+            assert!((hd - 1) * ks + w <= kt.len() && (slots - 1) * kp + j0 + w <= scores.len());
+            // The next chunk's keys are asked for while this one is scored.
+            let mut ahead = (j0 + KEY_CHUNK < seen).then(|| layout.chunk(j0 + KEY_CHUNK).0 - at);
             let mut slot = 0;
             while slot < slots {
-                let out = scores.as_mut_ptr().add(slot * kp);
+                let out = scores.as_mut_ptr().add(slot * kp + j0);
                 if slot + 1 < slots {
                     let qs = [q(slot), q(slot + 1)];
-                    for j in (j0..j0 + w).step_by(32) {
-                        match (j0 + w - j).min(32) {
+                    for j in (0..w).step_by(32) {
+                        match (w - j).min(32) {
                             32 => block::<2, 4, K>(qs, kt, ks, j, out, kp, ahead),
                             _ => block::<2, 2, K>(qs, kt, ks, j, out, kp, ahead),
                         }
@@ -1068,10 +1103,10 @@ mod avx2 {
                 } else {
                     let qs = [q(slot)];
                     match w {
-                        64 => block::<1, 8, K>(qs, kt, ks, j0, out, kp, ahead),
-                        48 => block::<1, 6, K>(qs, kt, ks, j0, out, kp, ahead),
-                        32 => block::<1, 4, K>(qs, kt, ks, j0, out, kp, ahead),
-                        _ => block::<1, 2, K>(qs, kt, ks, j0, out, kp, ahead),
+                        64 => block::<1, 8, K>(qs, kt, ks, 0, out, kp, ahead),
+                        48 => block::<1, 6, K>(qs, kt, ks, 0, out, kp, ahead),
+                        32 => block::<1, 4, K>(qs, kt, ks, 0, out, kp, ahead),
+                        _ => block::<1, 2, K>(qs, kt, ks, 0, out, kp, ahead),
                     }
                     ahead = None;
                     slot += 1;
@@ -1394,7 +1429,7 @@ mod tests {
         let mut data = vec![f32::NAN; kvh * hd * stride];
         for j in 0..keys {
             for c in 0..kvh * hd {
-                data[c * stride + j] = kv[j * kvh * hd + c];
+                data[transposed_key_index(hd, stride, c / hd, c % hd, j)] = kv[j * kvh * hd + c];
             }
         }
         let kt = TransposedKeys { data: &data, stride };
@@ -1455,7 +1490,8 @@ mod tests {
         let mut data = vec![bf16::NAN; kvh * hd * stride];
         for j in 0..keys {
             for c in 0..kvh * hd {
-                data[c * stride + j] = bf16::from_f32(kv[j * kvh * hd + c]);
+                data[transposed_key_index(hd, stride, c / hd, c % hd, j)] =
+                    bf16::from_f32(kv[j * kvh * hd + c]);
             }
         }
         let kt = TransposedKeys { data: &data, stride };

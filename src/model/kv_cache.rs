@@ -5,7 +5,7 @@
 //! kernel scores them: laid out once when written rather than on every step; and keys and values may be
 //! kept in bf16 ([`crate::kernels::KvElement`]), rounded once when written.
 
-use crate::kernels::{Keys, TransposedKeys};
+use crate::kernels::{transposed_key_index, Keys, TransposedKeys, KEY_CHUNK};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 
@@ -25,50 +25,66 @@ enum KeyStore {
     TransposedBf16(Transposed<half::bf16>),
 }
 
-/// Per layer `[width][transposed_stride(capacity)]` ([`TransposedKeys`]), `width` = kv_heads · head_dim.
+/// Per layer the keys as [`TransposedKeys`] lay them out, for `stride = transposed_stride(capacity)`.
 struct Transposed<T> {
     layers: Vec<Vec<T>>,
-    width: usize,
+    kv_heads: usize,
+    head_dim: usize,
 }
 
 impl<T: Copy + Default> Transposed<T> {
-    fn new(num_layers: usize, width: usize, capacity: usize) -> Self {
+    fn new(num_layers: usize, kv_heads: usize, head_dim: usize, capacity: usize) -> Self {
+        let len = kv_heads * head_dim * transposed_stride(capacity);
         Transposed {
-            layers: vec![vec![T::default(); width * transposed_stride(capacity)]; num_layers],
-            width,
+            layers: vec![vec![T::default(); len]; num_layers],
+            kv_heads,
+            head_dim,
         }
     }
 
-    /// Re-laid out for `capacity` keys, keeping the first `len`.
-    fn grow(&mut self, old: usize, capacity: usize, len: usize) {
+    /// Where key `j`'s value `c` (of the `kv_heads · head_dim` a key holds) lies.
+    fn at(&self, stride: usize, c: usize, j: usize) -> usize {
+        let hd = self.head_dim;
+        transposed_key_index(hd, stride, c / hd, c % hd, j)
+    }
+
+    /// Re-laid out for `capacity` keys, keeping what was there: each head's chunks keep their places.
+    fn grow(&mut self, old: usize, capacity: usize) {
         let (old, new) = (transposed_stride(old), transposed_stride(capacity));
+        let head = |stride: usize| self.head_dim * stride;
         for kt in self.layers.iter_mut() {
-            let mut grown = vec![T::default(); self.width * new];
-            for (to, from) in grown.chunks_exact_mut(new).zip(kt.chunks_exact(old)) {
-                to[..len].copy_from_slice(&from[..len]);
+            let mut grown = vec![T::default(); self.kv_heads * head(new)];
+            // (A cache made empty has nothing to keep.)
+            if old > 0 {
+                for (to, from) in grown.chunks_exact_mut(head(new)).zip(kt.chunks_exact(head(old))) {
+                    to[..from.len()].copy_from_slice(from);
+                }
             }
             *kt = grown;
         }
     }
 
-    /// Keys `k` (rows of `width` values) written from key `at` of `layer`, each converted by `to`.
+    /// Keys `k` (rows of `kv_heads · head_dim` values) written from key `at` of `layer`, each converted
+    /// by `to`.
     fn write(&mut self, layer: usize, capacity: usize, at: usize, k: &[f32], to: impl Fn(f32) -> T) {
-        let (kt, stride) = (&mut self.layers[layer], transposed_stride(capacity));
-        for (r, row) in k.chunks_exact(self.width).enumerate() {
+        let stride = transposed_stride(capacity);
+        for (r, row) in k.chunks_exact(self.kv_heads * self.head_dim).enumerate() {
             for (c, &x) in row.iter().enumerate() {
-                kt[c * stride + at + r] = to(x);
+                let i = self.at(stride, c, at + r);
+                self.layers[layer][i] = to(x);
             }
         }
     }
 
     /// [`KvCache::keep`] on the transposed keys.
     fn keep(&mut self, capacity: usize, start: usize, rows: &[usize]) {
-        for kt in self.layers.iter_mut() {
-            for col in kt.chunks_exact_mut(transposed_stride(capacity)) {
-                let col = &mut col[start..];
+        let stride = transposed_stride(capacity);
+        for l in 0..self.layers.len() {
+            for c in 0..self.kv_heads * self.head_dim {
                 // Ascending offsets, each at or after its destination: in place.
                 for (i, &r) in rows.iter().enumerate() {
-                    col[i] = col[r];
+                    let (from, to) = (self.at(stride, c, start + r), self.at(stride, c, start + i));
+                    self.layers[l][to] = self.layers[l][from];
                 }
             }
         }
@@ -82,11 +98,10 @@ impl<T: Copy + Default> Transposed<T> {
     }
 }
 
-/// Columns of a transposed key row for `capacity` keys: whole chunks of the kernel's scores, which read
-/// a chunk past the last key, and 16 more, so that rows do not lie a multiple of 4 KiB apart (the
-/// scores read one chunk of every row: at such a stride all of them fall into the same L1 sets).
+/// Keys a head's transposed keys have room for, for `capacity`: whole chunks of the kernel's scores,
+/// which read a chunk past the last key.
 fn transposed_stride(capacity: usize) -> usize {
-    capacity.next_multiple_of(crate::kernels::KEY_CHUNK) + 16
+    capacity.next_multiple_of(KEY_CHUNK)
 }
 
 impl KvCache {
@@ -107,11 +122,10 @@ impl KvCache {
         let values = (0..num_layers)
             .map(|_| buffer())
             .collect::<candle_core::Result<Vec<_>>>()?;
-        let width = kv_heads * head_dim;
         let keys = if transposed && dtype == DType::BF16 {
-            KeyStore::TransposedBf16(Transposed::new(num_layers, width, capacity))
+            KeyStore::TransposedBf16(Transposed::new(num_layers, kv_heads, head_dim, capacity))
         } else if transposed {
-            KeyStore::Transposed(Transposed::new(num_layers, width, capacity))
+            KeyStore::Transposed(Transposed::new(num_layers, kv_heads, head_dim, capacity))
         } else {
             KeyStore::Rows(
                 (0..num_layers)
@@ -152,8 +166,8 @@ impl KvCache {
         }
         match &mut self.keys {
             KeyStore::Rows(_) => {}
-            KeyStore::Transposed(t) => t.grow(self.capacity, capacity, len),
-            KeyStore::TransposedBf16(t) => t.grow(self.capacity, capacity, len),
+            KeyStore::Transposed(t) => t.grow(self.capacity, capacity),
+            KeyStore::TransposedBf16(t) => t.grow(self.capacity, capacity),
         }
         self.capacity = capacity;
         Ok(())
@@ -267,7 +281,9 @@ mod tests {
             Keys::TransposedBf16(t) => (t.stride, Box::new(move |i| t.data[i].to_f32())),
             Keys::Rows(_) => panic!("keys kept as rows"),
         };
-        assert!(stride >= cache.capacity().next_multiple_of(crate::kernels::KEY_CHUNK));
+        assert!(stride >= cache.capacity() && stride.is_multiple_of(KEY_CHUNK));
+        // 3 key/value heads (`transposed_keys_follow`).
+        let hd = rows[0].len() / 3;
         for (j, row) in rows.iter().enumerate() {
             for (c, &x) in row.iter().enumerate() {
                 let want = match cache.keys(layer) {
@@ -275,7 +291,7 @@ mod tests {
                     _ => x,
                 };
                 assert_eq!(
-                    key(c * stride + j).to_bits(),
+                    key(transposed_key_index(hd, stride, c / hd, c % hd, j)).to_bits(),
                     want.to_bits(),
                     "key {j}, column {c}"
                 );
@@ -290,6 +306,10 @@ mod tests {
         for dtype in [DType::F32, DType::BF16] {
             transposed_keys_follow(dtype);
         }
+        // Made empty, then grown (as a generation reserves its room).
+        let mut empty = KvCache::new(1, 0, 2, 4, DType::F32, &Device::Cpu, true).unwrap();
+        empty.reserve(70).unwrap();
+        assert_eq!(empty.capacity(), 70);
         let rows = KvCache::new(1, 4, 1, 4, DType::F32, &Device::Cpu, false).unwrap();
         assert!(matches!(rows.keys(0), Keys::Rows(_)));
         assert!(KvCache::new(1, 4, 1, 4, DType::F16, &Device::Cpu, true).is_err());
