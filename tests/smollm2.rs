@@ -136,13 +136,13 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     assert!(tau > 1.12, "tau {tau:.3} is too low for ESP on SmolLM2");
 }
 
-/// The KV cache is f32 unless asked otherwise, and a bf16 one (`--kv-cache bf16`) is lossless too: ESP's
+/// The KV cache is bf16 unless asked otherwise, and an f32 one (`--kv-cache f32`) is lossless too: ESP's
 /// trees against plain decoding with the same cache, on a question of each Spec-Bench group.
 #[test]
-fn the_bf16_kv_cache_is_lossless_too() {
-    assert_eq!(smollm2().model.kv_dtype(), DType::F32);
-    let m = smollm2_kv(Activations::default(), Some(DType::BF16));
-    assert_eq!(m.model.kv_dtype(), DType::BF16);
+fn the_f32_kv_cache_is_lossless_too() {
+    assert_eq!(smollm2().model.kv_dtype(), DType::BF16);
+    let m = smollm2_kv(Activations::default(), Some(DType::F32));
+    assert_eq!(m.model.kv_dtype(), DType::F32);
     let params = GenerateParams {
         max_new_tokens: 40,
         sampling: Default::default(),

@@ -36,10 +36,10 @@ pub struct ModelArgs {
     /// else one per core.
     #[arg(long, short = 't', value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
-    /// What the KV cache holds on the CPU in f32 (the default dtype there): f32 (default) or bf16 (half
-    /// the memory, for long contexts; rounds keys and values, which changes answers about as often as
-    /// 8-bit activations do). Either is lossless: plain and speculative decoding share it.
-    /// (`--dtype f16/bf16` on the CPU caches f32, a GPU the model's dtype.)
+    /// What the KV cache holds on the CPU in f32 (the default dtype there): bf16 (default: half the
+    /// memory, faster steps after a thousand tokens; rounds keys and values, which changes answers about
+    /// as often as 8-bit activations do) or f32. Either is lossless: plain and speculative decoding share
+    /// it. (`--dtype f16/bf16` on the CPU caches f32, a GPU the model's dtype.)
     #[arg(long, value_enum)]
     pub kv_cache: Option<KvCacheArg>,
 }
