@@ -3,7 +3,7 @@
 //!
 //! For the CPU kernels the keys are kept transposed instead ([`TransposedKeys`]), as the attention
 //! kernel scores them: laid out once when written rather than on every step; and keys and values may be
-//! kept in bf16 ([`crate::kernels::KvElement`]), rounded once when written.
+//! kept in bf16 ([`crate::kernels::attention::KvElement`]), rounded once when written.
 
 use crate::kernels::{transposed_key_index, Keys, TransposedKeys, KEY_CHUNK};
 use anyhow::{bail, Result};
