@@ -227,12 +227,7 @@ struct Problem<'a, E> {
     vd: &'a [E],
     vis: Visibility<'a>,
     scale: f32,
-    rows: usize,
-    keys: usize,
-    heads: usize,
-    kv_heads: usize,
-    hd: usize,
-    row_stride: usize,
+    shape: Shape,
     tile: usize,
 }
 
@@ -265,7 +260,7 @@ struct Scratch {
 
 impl<E: KvElement> Problem<'_, E> {
     fn units(&self) -> usize {
-        self.kv_heads * self.rows.div_ceil(self.tile)
+        self.shape.kv_heads * self.shape.rows.div_ceil(self.tile)
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -295,10 +290,10 @@ impl<E: KvElement> Problem<'_, E> {
     /// the group. Writes those rows' outputs of those heads.
     #[inline(always)]
     fn unit(&self, width: Width, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
-        let (hd, keys, heads) = (self.hd, self.keys, self.heads);
-        let group = heads / self.kv_heads;
-        let (kvh, t) = (u % self.kv_heads, u / self.kv_heads);
-        let rows = t * self.tile..((t + 1) * self.tile).min(self.rows);
+        let (hd, keys, heads) = (self.shape.hd, self.shape.keys, self.shape.heads);
+        let group = heads / self.shape.kv_heads;
+        let (kvh, t) = (u % self.shape.kv_heads, u / self.shape.kv_heads);
+        let rows = t * self.tile..((t + 1) * self.tile).min(self.shape.rows);
         // The keys any row of the tile sees lie below `seen`.
         let seen = match self.vis {
             Visibility::Causal { offset } => (offset + rows.end).min(keys),
@@ -419,11 +414,11 @@ impl<E: KvElement> Problem<'_, E> {
         kp: usize,
         kt: &mut Vec<f32>,
     ) {
-        let hd = self.hd;
+        let hd = self.shape.hd;
         if kt.len() < hd * kp {
             kt.resize(hd * kp, 0.0);
         }
-        let src = |j: usize, d: usize| j * self.row_stride + kvh * hd + d;
+        let src = |j: usize, d: usize| j * self.shape.row_stride + kvh * hd + d;
         // The head's key rows PREFETCH_KEYS on, asked for as each block of keys is moved.
         let prefetch = |j0: usize, n: usize| {
             for j in j0 + PREFETCH_KEYS..(j0 + PREFETCH_KEYS + n).min(seen) {
@@ -439,7 +434,7 @@ impl<E: KvElement> Problem<'_, E> {
                     let from = &kd[src(j0, d0)..src(j0 + LANES - 1, d0) + LANES];
                     let to = &mut kt[d0 * kp + j0..(d0 + LANES - 1) * kp + j0 + LANES];
                     // SAFETY: W512 was checked by the caller; both slices span the 16 x 16 block.
-                    unsafe { transpose16_avx512(from, self.row_stride, to, kp) };
+                    unsafe { transpose16_avx512(from, self.shape.row_stride, to, kp) };
                 }
                 j0 += LANES;
             }
@@ -452,7 +447,7 @@ impl<E: KvElement> Problem<'_, E> {
                     let from = &kd[src(j0, d0)..src(j0 + 7, d0) + 8];
                     let to = &mut kt[d0 * kp + j0..(d0 + 7) * kp + j0 + 8];
                     // SAFETY: W256 (AVX2) was checked by the caller; both slices span the 8 x 8 block.
-                    unsafe { transpose8_avx(from, self.row_stride, to, kp) };
+                    unsafe { transpose8_avx(from, self.shape.row_stride, to, kp) };
                 }
                 j0 += 8;
             }
@@ -482,7 +477,7 @@ impl<E: KvElement> Problem<'_, E> {
         s: &Scratch,
         out: &super::pool::SharedMut<f32>,
     ) {
-        let (hd, group) = (self.hd, self.heads / self.kv_heads);
+        let (hd, group) = (self.shape.hd, self.shape.heads / self.shape.kv_heads);
         let ri = |i: usize| (slot0 + i) / group;
         let lead = |i: usize| s.lead[ri(i)];
         let listed = |i: usize| &s.visible[s.vis_start[ri(i)]..s.vis_start[ri(i) + 1]];
@@ -503,7 +498,7 @@ impl<E: KvElement> Problem<'_, E> {
                 self.accumulate::<1, D, _>(width, kvh, listed(i), rest, d0, n, false, one);
                 let (r, g) = (row0 + ri(i), (slot0 + i) % group);
                 // SAFETY: row r's head g of this group is written by this unit only.
-                let o = unsafe { out.range((r * self.heads + kvh * group + g) * hd + d0, n) };
+                let o = unsafe { out.range((r * self.shape.heads + kvh * group + g) * hd + d0, n) };
                 let inv = s.inv[slot0 + i];
                 for (x, &y) in o.iter_mut().zip(&a[..n]) {
                     *x = y * inv;
@@ -564,6 +559,21 @@ impl<E: KvElement> Problem<'_, E> {
         }
     }
 
+    /// Where key `j`'s values `d0 ..` of key/value head `kvh` start in `vd`.
+    #[inline(always)]
+    fn value_at(&self, j: usize, kvh: usize, d0: usize) -> usize {
+        j * self.shape.row_stride + self.shape.hd * kvh + d0
+    }
+
+    /// Asks for the `n` values from `d0` of the key [`PREFETCH_KEYS`] after the `t`-th of `keys`, if any.
+    #[inline(always)]
+    fn prefetch_values<K: KeyList>(&self, keys: &K, t: usize, kvh: usize, d0: usize, n: usize) {
+        if t + PREFETCH_KEYS < keys.len() {
+            let ahead = self.value_at(keys.key(t + PREFETCH_KEYS), kvh, d0);
+            super::prefetch_l1(self.vd.as_ptr().wrapping_add(ahead).cast(), size_of::<E>() * n);
+        }
+    }
+
     /// [`Problem::accumulate`] at width `n`: a method, not a closure inside it, since a closure does not
     /// inherit the caller's target features (its `mul_add`s became calls: 20 times slower, measured).
     #[inline(always)]
@@ -583,13 +593,11 @@ impl<E: KvElement> Problem<'_, E> {
         let mut local = *acc;
         let len = keys.len();
         let p: [&[f32]; N] = p.map(|pi| &pi[..len]);
-        let at = |j: usize| j * self.row_stride + self.hd * kvh + d0;
         for t in 0..len {
-            if prefetch && t + PREFETCH_KEYS < len {
-                let ahead = at(keys.key(t + PREFETCH_KEYS));
-                super::prefetch_l1(self.vd.as_ptr().wrapping_add(ahead).cast(), size_of::<E>() * n);
+            if prefetch {
+                self.prefetch_values(&keys, t, kvh, d0, n);
             }
-            let v = &self.vd[at(keys.key(t))..][..n];
+            let v = &self.vd[self.value_at(keys.key(t), kvh, d0)..][..n];
             for (a, pi) in local.iter_mut().zip(&p) {
                 let pt = pi[t];
                 for l in 0..n {
@@ -1002,15 +1010,15 @@ fn run<E: KvElement>(
     vd: &[E],
     vis: Visibility,
     scale: f32,
-    Shape {
+    shape: Shape,
+) -> Vec<f32> {
+    let Shape {
         rows,
-        keys,
         heads,
         kv_heads,
         hd,
-        row_stride,
-    }: Shape,
-) -> Vec<f32> {
+        ..
+    } = shape;
     let mut out = vec![0.0f32; rows * heads * hd];
     let pool = super::pool::Pool::global();
     // Row tiles of at least 4 rows (each tile transposes its keys again), as many as give a few units
@@ -1025,12 +1033,7 @@ fn run<E: KvElement>(
         vd,
         vis,
         scale,
-        rows,
-        keys,
-        heads,
-        kv_heads,
-        hd,
-        row_stride,
+        shape,
         tile: rows.div_ceil(tiles).max(1),
     };
     let shared = super::pool::SharedMut::new(&mut out);
@@ -1183,13 +1186,11 @@ mod avx2 {
         }
         let len = keys.len();
         let p: [&[f32]; N] = p.map(|pi| &pi[..len]);
-        let at = |j: usize| j * pb.row_stride + pb.hd * kvh + d0;
         for t in 0..len {
-            if prefetch && t + PREFETCH_KEYS < len {
-                let ahead = at(keys.key(t + PREFETCH_KEYS));
-                super::super::prefetch_l1(pb.vd.as_ptr().wrapping_add(ahead).cast(), size_of::<E>() * 8 * V);
+            if prefetch {
+                pb.prefetch_values(&keys, t, kvh, d0, 8 * V);
             }
-            let v = pb.vd[at(keys.key(t))..][..8 * V].as_ptr();
+            let v = pb.vd[pb.value_at(keys.key(t), kvh, d0)..][..8 * V].as_ptr();
             let mut x = [_mm256_setzero_ps(); V];
             for (g, x) in x.iter_mut().enumerate() {
                 *x = load8(v.add(8 * g));
