@@ -42,10 +42,16 @@ impl<T: Copy + Default> Transposed<T> {
         }
     }
 
-    /// Where key `j`'s value `c` (of the `kv_heads · head_dim` a key holds) lies.
-    fn at(&self, stride: usize, c: usize, j: usize) -> usize {
+    /// Where each of a key's `kv_heads · head_dim` values starts, less the key's own offset
+    /// ([`Transposed::key_offset`]): value `c` of key `j` lies at `starts[c] + key_offset(j)`.
+    fn value_starts(&self, stride: usize) -> impl Iterator<Item = usize> + '_ {
         let hd = self.head_dim;
-        transposed_key_index(hd, stride, c / hd, c % hd, j)
+        (0..self.kv_heads).flat_map(move |h| (0..hd).map(move |d| transposed_key_index(hd, stride, h, d, 0)))
+    }
+
+    /// Key `j`'s offset from its value 0's place in [`Transposed::value_starts`].
+    fn key_offset(&self, j: usize) -> usize {
+        transposed_key_index(self.head_dim, 0, 0, 0, j)
     }
 
     /// Re-laid out for `capacity` keys, keeping what was there: each head's chunks keep their places.
@@ -67,24 +73,26 @@ impl<T: Copy + Default> Transposed<T> {
     /// Keys `k` (rows of `kv_heads · head_dim` values) written from key `at` of `layer`, each converted
     /// by `to`.
     fn write(&mut self, layer: usize, capacity: usize, at: usize, k: &[f32], to: impl Fn(f32) -> T) {
-        let stride = transposed_stride(capacity);
-        for (r, row) in k.chunks_exact(self.kv_heads * self.head_dim).enumerate() {
-            for (c, &x) in row.iter().enumerate() {
-                let i = self.at(stride, c, at + r);
-                self.layers[layer][i] = to(x);
+        let starts: Vec<usize> = self.value_starts(transposed_stride(capacity)).collect();
+        for (r, row) in k.chunks_exact(starts.len()).enumerate() {
+            let j = self.key_offset(at + r);
+            for (&c, &x) in starts.iter().zip(row) {
+                self.layers[layer][c + j] = to(x);
             }
         }
     }
 
     /// [`KvCache::keep`] on the transposed keys.
     fn keep(&mut self, capacity: usize, start: usize, rows: &[usize]) {
-        let stride = transposed_stride(capacity);
-        for l in 0..self.layers.len() {
-            for c in 0..self.kv_heads * self.head_dim {
+        let starts: Vec<usize> = self.value_starts(transposed_stride(capacity)).collect();
+        let moves: Vec<(usize, usize)> = (rows.iter().enumerate())
+            .map(|(i, &r)| (self.key_offset(start + r), self.key_offset(start + i)))
+            .collect();
+        for kt in self.layers.iter_mut() {
+            for &c in &starts {
                 // Ascending offsets, each at or after its destination: in place.
-                for (i, &r) in rows.iter().enumerate() {
-                    let (from, to) = (self.at(stride, c, start + r), self.at(stride, c, start + i));
-                    self.layers[l][to] = self.layers[l][from];
+                for &(from, to) in &moves {
+                    kt[c + to] = kt[c + from];
                 }
             }
         }
