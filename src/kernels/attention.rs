@@ -101,6 +101,7 @@ impl KvElement for half::bf16 {
         f32::from_bits((self.to_bits() as u32) << 16)
     }
 }
+
 /// (Row, head) slots accumulated together in step 5 (64 head dimensions at a time): 4 x 64 f32
 /// accumulators fill 16 of AVX-512's 32 vector registers. (AVX2: [`avx2`].)
 const VALUE_SLOTS: usize = 4;
@@ -309,7 +310,7 @@ impl<E: KvElement> Problem<'_, E> {
             let (r, g) = (rows.start + slot / group, slot % group);
             &self.qv[(r * heads + kvh * group + g) * hd..][..hd]
         };
-        // `kt[d · ks + j]`: key j's value d of this head.
+        // This head's keys, laid out as the cache keeps them, or as this unit transposes them.
         let scores = (&mut s.scores[..], kp);
         match self.keys_in {
             KeyData::Transposed(t) => {
