@@ -44,9 +44,9 @@ impl<T: Copy + Default> Transposed<T> {
 
     /// Where each of a key's `kv_heads · head_dim` values starts, less the key's own offset
     /// ([`Transposed::key_offset`]): value `c` of key `j` lies at `starts[c] + key_offset(j)`.
-    fn value_starts(&self, stride: usize) -> impl Iterator<Item = usize> + '_ {
-        let hd = self.head_dim;
-        (0..self.kv_heads).flat_map(move |h| (0..hd).map(move |d| transposed_key_index(hd, stride, h, d, 0)))
+    fn value_starts(&self, stride: usize) -> impl Iterator<Item = usize> + use<T> {
+        let (heads, hd) = (self.kv_heads, self.head_dim);
+        (0..heads).flat_map(move |h| (0..hd).map(move |d| transposed_key_index(hd, stride, h, d, 0)))
     }
 
     /// Key `j`'s offset from its value 0's place in [`Transposed::value_starts`].
@@ -73,10 +73,10 @@ impl<T: Copy + Default> Transposed<T> {
     /// Keys `k` (rows of `kv_heads · head_dim` values) written from key `at` of `layer`, each converted
     /// by `to`.
     fn write(&mut self, layer: usize, capacity: usize, at: usize, k: &[f32], to: impl Fn(f32) -> T) {
-        let starts: Vec<usize> = self.value_starts(transposed_stride(capacity)).collect();
-        for (r, row) in k.chunks_exact(starts.len()).enumerate() {
+        let stride = transposed_stride(capacity);
+        for (r, row) in k.chunks_exact(self.kv_heads * self.head_dim).enumerate() {
             let j = self.key_offset(at + r);
-            for (&c, &x) in starts.iter().zip(row) {
+            for (c, &x) in self.value_starts(stride).zip(row) {
                 self.layers[layer][c + j] = to(x);
             }
         }
@@ -84,12 +84,13 @@ impl<T: Copy + Default> Transposed<T> {
 
     /// [`KvCache::keep`] on the transposed keys.
     fn keep(&mut self, capacity: usize, start: usize, rows: &[usize]) {
-        let starts: Vec<usize> = self.value_starts(transposed_stride(capacity)).collect();
+        let stride = transposed_stride(capacity);
         let moves: Vec<(usize, usize)> = (rows.iter().enumerate())
             .map(|(i, &r)| (self.key_offset(start + r), self.key_offset(start + i)))
             .collect();
-        for kt in self.layers.iter_mut() {
-            for &c in &starts {
+        for l in 0..self.layers.len() {
+            for c in self.value_starts(stride) {
+                let kt = &mut self.layers[l];
                 // Ascending offsets, each at or after its destination: in place.
                 for &(from, to) in &moves {
                     kt[c + to] = kt[c + from];
