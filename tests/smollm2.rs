@@ -136,6 +136,49 @@ fn esp_is_lossless_on_42_specbench_prompts() {
     assert!(tau > 1.12, "tau {tau:.3} is too low for ESP on SmolLM2");
 }
 
+/// Past 384 tokens the kernels' attention cuts a row's visible keys into segments, merged afterwards
+/// (`probespec::kernels::attention`, step 6), for plain decoding and ESP's tree rows alike. On the two
+/// longest Spec-Bench questions, cut to end 12 tokens before a row's list gains a segment (at 640 and 896
+/// keys), the answer crosses that point: ESP token-identical to plain decoding.
+#[test]
+fn esp_is_lossless_where_attention_cuts_the_context_into_segments() {
+    use probespec::kernels::SEGMENT;
+    let m = smollm2();
+    let params = GenerateParams {
+        max_new_tokens: 32,
+        sampling: Default::default(),
+        stop_tokens: m.stop_tokens(),
+    };
+    let (questions, _) = probespec::bench::questions::bundled_questions();
+    let mut long: Vec<Vec<u32>> = questions
+        .iter()
+        .filter(|q| ["summarization", "rag"].contains(&q.category.as_str()))
+        .map(|q| m.encode_prompt(&q.turns[0], None, true).unwrap())
+        .collect();
+    long.sort_by_key(|ids| std::cmp::Reverse(ids.len()));
+    for (ids, gains) in long
+        .iter()
+        .zip([2 * SEGMENT + SEGMENT / 2, 3 * SEGMENT + SEGMENT / 2])
+    {
+        assert!(ids.len() >= gains, "a prompt of {} tokens", ids.len());
+        let ids = &ids[..gains - 12];
+        let want = m.generate(ids, &Method::Ar, &params, &mut |_| Ok(())).unwrap();
+        assert!(want.tokens.len() > 12, "the answer stopped before {gains} keys");
+        for cfg in [
+            esp(30, 1, EspTree::Dynamic),
+            esp(60, 2, EspTree::Static(Some(vec![15, 4]))),
+        ] {
+            let got = m.generate(ids, &cfg, &params, &mut |_| Ok(())).unwrap();
+            assert_eq!(
+                got.tokens,
+                want.tokens,
+                "mismatch over {} tokens, {cfg:?}",
+                ids.len()
+            );
+        }
+    }
+}
+
 /// The KV cache is bf16 unless asked otherwise, and an f32 one (`--kv-cache f32`) is lossless too: ESP's
 /// trees against plain decoding with the same cache, on a question of each Spec-Bench group.
 #[test]

@@ -11,6 +11,18 @@
 //! 5. `o = Σ p_t · v_t` as one fused multiply-add chain per output element, in visible order;
 //!    then `o · (1 / sum)`.
 //!
+//! A visible list of `n` keys is cut into `round(n / SEGMENT)` segments (at least one; [`SEGMENT`]),
+//! segment `k` from visible position `k · SEGMENT`, the last one taking the rest (so it holds at least
+//! half a segment). Steps 2-5 run on each segment alone, giving its maximum `m_k`, its sum `sum_k` and
+//! its unscaled `o_k`. Then, with `M` the largest `m_k` and `w_k = exp(m_k - M)` (the same
+//! polynomial), in segment order:
+//! 6. `sum = w_0 · sum_0`, then `sum = fma(w_k, sum_k, sum)`; `o = w_0 · o_0`, then `o = fma(w_k, o_k,
+//!    o)` per element; the output `o · (1 / sum)`.
+//!
+//! A list of one segment gives steps 1-5's bits (`w_0 = 1` exactly). Segments let one row's long
+//! list be shared by several threads: a decoding step has one unit of work per key/value head, and
+//! SmolLM2's three heads left one of two threads idle a third of the time.
+//!
 //! Every step depends only on the visible list's contents and order, never on where the keys sit in
 //! the cache or what the hidden keys hold: a tree node that sees prefix + ancestors computes exactly
 //! what plain decoding computes for the same token over a cache holding just those rows, which is what
@@ -23,7 +35,9 @@
 //! so by the KV cache, a chunk of keys at a time: [`TransposedKeys`]), so the
 //! scores of 16 keys fill one vector with no horizontal sums, and that transposed block is shared by
 //! every query head of the group and every row of the tile: the query rows of a block share each key
-//! read. Units of (key/value head, row tile) run on the kernel pool.
+//! read. Units of (key/value head, row tile) run on the kernel pool; where the segments' results are
+//! small (decoding steps, small blocks), each segment is a unit of its own and the last unit of a
+//! (key/value head, row tile) to finish merges them (step 6), else a unit takes its segments in turn.
 
 use candle_core::{DType, Error, Result, Tensor};
 
@@ -40,6 +54,14 @@ pub enum Visibility<'a> {
 const LANES: usize = 16;
 /// Keys scored together: 8 independent 16-lane chains hide the fused multiply-add latency.
 pub const KEY_CHUNK: usize = 64;
+/// Visible keys a segment of a row's list holds (the recipe's step 6): a whole number of
+/// [`KEY_CHUNK`]s. SmolLM2's decoding step after 1024 tokens has 4 segments of each of its 3 key/value
+/// heads to share among the threads, and the merge's cost (one multiply-add per output element and
+/// segment) stays small beside the segment's `2 · SEGMENT` per element.
+pub const SEGMENT: usize = 4 * KEY_CHUNK;
+/// Segments are units of their own where their results for step 6 take at most this many bytes (in
+/// decoding steps and small blocks; a long prefill's would be tens of MB, written and read again).
+const SPLIT_BYTES: usize = 1 << 20;
 
 /// Keys laid out as the scores read them, kept by the caller across calls (the KV cache): per key/value
 /// head, per [`KEY_CHUNK`] of keys, `[head_dim][KEY_CHUNK]` ([`transposed_key_index`]), `stride` a
@@ -63,8 +85,14 @@ pub fn transposed_key_index(hd: usize, stride: usize, h: usize, d: usize, j: usi
 /// `[hd][KEY_CHUNK]`), or a unit's own transposed rows (`[hd][ks]`).
 #[derive(Clone, Copy)]
 enum KeyLayout {
-    Chunks { hd: usize },
-    Rows { ks: usize },
+    Chunks {
+        hd: usize,
+    },
+    /// Keys `from ..` as rows of `ks`.
+    Rows {
+        ks: usize,
+        from: usize,
+    },
 }
 
 impl KeyLayout {
@@ -74,7 +102,7 @@ impl KeyLayout {
     fn chunk(self, j0: usize) -> (usize, usize) {
         match self {
             KeyLayout::Chunks { hd } => (j0 / KEY_CHUNK * hd * KEY_CHUNK, KEY_CHUNK),
-            KeyLayout::Rows { ks } => (j0, ks),
+            KeyLayout::Rows { ks, from } => (j0 - from, ks),
         }
     }
 }
@@ -221,15 +249,22 @@ impl Width {
     }
 }
 
-/// One attention problem, cut into units of (key/value head, tile of query rows).
+/// One attention problem, cut into units of (key/value head, tile of query rows, segment).
 struct Problem<'a, E> {
     qv: &'a [f32],
     keys_in: KeyData<'a, E>,
     vd: &'a [E],
     vis: Visibility<'a>,
+    lists: VisibleLists,
     scale: f32,
     shape: Shape,
     tile: usize,
+    tiles: usize,
+    segments: usize,
+    /// With more than one segment: whether each segment is a unit of its own ([`SPLIT_BYTES`]), and
+    /// then where they leave their results for step 6; else a unit takes its segments in turn and keeps
+    /// their results in its own scratch.
+    split: Option<Partials<'a>>,
 }
 
 /// The keys as the kernel reads them.
@@ -241,27 +276,113 @@ enum KeyData<'a, E> {
     Transposed(TransposedKeys<'a, E>),
 }
 
+/// Every row's visible list: its leading run of keys `0 .. lead[r]` (all of a causal row's keys, the
+/// whole cache for a tree's row), then the keys listed at `listed[starts[r] .. starts[r + 1]]`.
+struct VisibleLists {
+    lead: Vec<usize>,
+    listed: Vec<u32>,
+    starts: Vec<usize>,
+}
+
+impl VisibleLists {
+    fn new(vis: Visibility, rows: usize, keys: usize) -> Self {
+        let mut lists = VisibleLists {
+            lead: Vec::with_capacity(rows),
+            listed: Vec::new(),
+            starts: vec![0],
+        };
+        for r in 0..rows {
+            let lead = match vis {
+                Visibility::Causal { offset } => (offset + r + 1).min(keys),
+                Visibility::Additive(m) => {
+                    let m = &m[r * keys..(r + 1) * keys];
+                    let lead = leading_visible(m);
+                    // Branch-free: every key is written, and the count moves past the visible ones.
+                    let v0 = lists.listed.len();
+                    lists.listed.resize(v0 + keys - lead, 0);
+                    let mut n = v0;
+                    for (j, &bias) in m[lead..].iter().enumerate() {
+                        lists.listed[n] = (lead + j) as u32;
+                        n += usize::from(bias != f32::NEG_INFINITY);
+                    }
+                    lists.listed.truncate(n);
+                    lead
+                }
+            };
+            lists.lead.push(lead);
+            lists.starts.push(lists.listed.len());
+        }
+        lists
+    }
+
+    /// How many keys row `r` sees.
+    fn len(&self, r: usize) -> usize {
+        self.lead[r] + self.starts[r + 1] - self.starts[r]
+    }
+
+    /// How many segments row `r`'s list is cut into (the recipe's step 6).
+    fn segments(&self, r: usize) -> usize {
+        segments(self.len(r))
+    }
+}
+
+/// How many segments a visible list of `n` keys is cut into: `n / SEGMENT` rounded to the nearest (at
+/// least one), the last segment taking the rest, so that none holds fewer than half a [`SEGMENT`].
+fn segments(n: usize) -> usize {
+    ((n + SEGMENT / 2) / SEGMENT).max(1)
+}
+
+/// Where a unit leaves a segment's results for (row `ri` of its tile, query head `g` of its group):
+/// slot `base + ri · per_row + g` of `o` (`hd` values a slot) and, for step 6, of `stats` (`(m_k,
+/// sum_k)`, `m_k` left -inf where the row sees no key of the segment). Without `stats`, `o` is the
+/// output and the results are final.
+#[derive(Clone, Copy)]
+struct Slots<'s, 'a> {
+    o: &'s super::pool::SharedMut<'a, f32>,
+    stats: Option<&'s super::pool::SharedMut<'a, f32>>,
+    base: usize,
+    per_row: usize,
+}
+
+impl Slots<'_, '_> {
+    fn slot(&self, ri: usize, g: usize) -> usize {
+        self.base + ri * self.per_row + g
+    }
+}
+
+/// Per (segment, row, head) of the problem: the segment's results, as [`Slots`] lay them out.
+struct Partials<'a> {
+    o: super::pool::SharedMut<'a, f32>,
+    stats: super::pool::SharedMut<'a, f32>,
+    /// Units finished per (key/value head, row tile): the one that makes it `segments` merges.
+    done: Vec<std::sync::atomic::AtomicUsize>,
+}
+
 /// Per-unit buffers.
 #[derive(Default)]
 struct Scratch {
     /// `[hd][kp]`: the unit's keys transposed, `kp` = keys rounded up to a whole chunk.
     kt: Vec<f32>,
-    /// Scores of one (row, head) over all keys.
+    /// Scores of one (row, head) over the unit's keys.
     scores: Vec<f32>,
-    /// Per row `ri` of the tile, its leading visible keys `0 .. lead[ri]` (a run, kept as its length),
-    /// then the rest of its visible list at `visible[vis_start[ri] .. vis_start[ri + 1]]`; per (row, head)
-    /// slot its `p_t` (from `p_start[slot]`, one per visible key) and `1 / Σ p_t`.
-    lead: Vec<usize>,
-    visible: Vec<u32>,
-    vis_start: Vec<usize>,
+    /// Per row `ri` of the tile, its part of the unit's segment: the keys `lo .. run_end[ri]` of its
+    /// leading run, then `lists.listed[listed[ri]]`; per (row, head) slot its `p_t` (from
+    /// `p_start[slot]`, one per key of the part) and the factor of its sums (`1 / Σ p_t`, or 1 where
+    /// step 6 scales them).
+    run_end: Vec<usize>,
+    listed: Vec<std::ops::Range<usize>>,
     p: Vec<f32>,
     p_start: Vec<usize>,
     inv: Vec<f32>,
+    /// A unit's own segments' results ([`Slots`]), when it takes them in turn.
+    seg_o: Vec<f32>,
+    seg_stats: Vec<f32>,
 }
 
 impl<E: KvElement> Problem<'_, E> {
     fn units(&self) -> usize {
-        self.shape.kv_heads * self.shape.rows.div_ceil(self.tile)
+        let segments = if self.split.is_some() { self.segments } else { 1 };
+        self.shape.kv_heads * self.tiles * segments
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -287,20 +408,114 @@ impl<E: KvElement> Problem<'_, E> {
         }
     }
 
-    /// Unit `u`: key/value head `u % kv_heads`, query rows of tile `u / kv_heads`, every query head of
-    /// the group. Writes those rows' outputs of those heads.
+    /// Unit `u`: key/value head `u % kv_heads`, the query rows of tile `u / kv_heads % tiles`, every
+    /// query head of the group, and segment `u / (kv_heads · tiles)` when segments are split, else
+    /// every segment in turn. Writes those rows' outputs of those heads, or a segment's part of them,
+    /// merged by the last unit of the (key/value head, tile) to finish.
     #[inline(always)]
     fn unit(&self, width: Width, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
+        let (kv_heads, per_segment) = (self.shape.kv_heads, self.shape.kv_heads * self.tiles);
+        let (seg, tile_id) = (u / per_segment, u % per_segment);
+        let (kvh, t) = (tile_id % kv_heads, tile_id / kv_heads);
+        let rows = t * self.tile..((t + 1) * self.tile).min(self.shape.rows);
+        let (heads, group) = (self.shape.heads, self.shape.heads / kv_heads);
+        if self.segments == 1 {
+            let direct = Slots {
+                o: out,
+                stats: None,
+                base: rows.start * heads + kvh * group,
+                per_row: heads,
+            };
+            return self.segment(width, 0, kvh, rows, s, direct);
+        }
+        if let Some(part) = &self.split {
+            let row0 = rows.start;
+            let slots = move |k: usize| Slots {
+                o: &part.o,
+                stats: Some(&part.stats),
+                base: (k * self.shape.rows + row0) * heads + kvh * group,
+                per_row: heads,
+            };
+            self.segment(width, seg, kvh, rows.clone(), s, slots(seg));
+            // AcqRel: this unit's results are published, and the last one sees every other's.
+            use std::sync::atomic::Ordering::AcqRel;
+            if part.done[tile_id].fetch_add(1, AcqRel) + 1 == self.segments {
+                self.merge(kvh, rows, slots, out);
+            }
+            return;
+        }
+        let (mut o, mut stats) = (std::mem::take(&mut s.seg_o), std::mem::take(&mut s.seg_stats));
+        let per_segment = rows.len() * group;
+        o.resize(self.segments * per_segment * self.shape.hd, 0.0);
+        stats.clear();
+        stats.resize(2 * self.segments * per_segment, f32::NEG_INFINITY);
+        {
+            let (o, stats) = (
+                super::pool::SharedMut::new(&mut o),
+                super::pool::SharedMut::new(&mut stats),
+            );
+            let slots = |k: usize| Slots {
+                o: &o,
+                stats: Some(&stats),
+                base: k * per_segment,
+                per_row: group,
+            };
+            for k in 0..self.segments {
+                self.segment(width, k, kvh, rows.clone(), s, slots(k));
+            }
+            self.merge(kvh, rows, slots, out);
+        }
+        (s.seg_o, s.seg_stats) = (o, stats);
+    }
+
+    /// Steps 1-5 for segment `seg` of the given rows' lists, for the query heads of key/value head
+    /// `kvh`, the results left in `dst`.
+    #[inline(always)]
+    fn segment(
+        &self,
+        width: Width,
+        seg: usize,
+        kvh: usize,
+        rows: std::ops::Range<usize>,
+        s: &mut Scratch,
+        dst: Slots,
+    ) {
         let (hd, keys, heads) = (self.shape.hd, self.shape.keys, self.shape.heads);
         let group = heads / self.shape.kv_heads;
-        let (kvh, t) = (u % self.shape.kv_heads, u / self.shape.kv_heads);
-        let rows = t * self.tile..((t + 1) * self.tile).min(self.shape.rows);
-        // The keys any row of the tile sees lie below `seen`.
-        let seen = match self.vis {
-            Visibility::Causal { offset } => (offset + rows.end).min(keys),
-            Visibility::Additive(_) => keys,
-        };
-        let kp = seen.next_multiple_of(KEY_CHUNK);
+        let lists = &self.lists;
+        // Each row's part of the segment (visible positions lo .. lo + SEGMENT): the keys lo .. run_end
+        // of its leading run, then listed keys; every key a part takes lies in lo .. hi.
+        let lo = seg * SEGMENT;
+        let mut hi = lo;
+        s.run_end.clear();
+        s.listed.clear();
+        for r in rows.clone() {
+            let (lead, at) = (lists.lead[r], lists.starts[r]);
+            // The row's visible positions lo .. end.
+            let end = match seg + 1 {
+                k if k < lists.segments(r) => lo + SEGMENT,
+                k if k == lists.segments(r) => lists.len(r),
+                _ => lo,
+            };
+            let (run_end, listed) = if end > lo {
+                (
+                    end.min(lead).max(lo),
+                    at + lo.max(lead) - lead..at + end.max(lead) - lead,
+                )
+            } else {
+                (lo, at..at)
+            };
+            hi = hi.max(match lists.listed[listed.clone()].last() {
+                Some(&j) => j as usize + 1,
+                None => run_end,
+            });
+            s.run_end.push(run_end);
+            s.listed.push(listed);
+        }
+        if hi == lo {
+            return; // no row of the tile sees this far
+        }
+        let kp = (hi - lo).next_multiple_of(KEY_CHUNK);
         // Every (row, head) of the unit is scored chunk by chunk, while the chunk's keys sit in L1.
         let slots = rows.len() * group;
         if s.scores.len() < slots * kp {
@@ -315,61 +530,36 @@ impl<E: KvElement> Problem<'_, E> {
         match self.keys_in {
             KeyData::Transposed(t) => {
                 let kt = &t.data[kvh * hd * t.stride..][..hd * t.stride];
-                score_all(width, slots, q, (kt, KeyLayout::Chunks { hd }), seen, scores)
+                score_all(width, slots, q, (kt, KeyLayout::Chunks { hd }), lo..hi, scores)
             }
             KeyData::Rows(kd) => {
-                self.transpose_keys(width, kd, kvh, seen, kp, &mut s.kt);
-                let keys = (&s.kt[..hd * kp], KeyLayout::Rows { ks: kp });
-                score_all(width, slots, q, keys, seen, scores)
+                self.transpose_keys(width, kd, kvh, lo..hi, kp, &mut s.kt);
+                let keys = (&s.kt[..hd * kp], KeyLayout::Rows { ks: kp, from: lo });
+                score_all(width, slots, q, keys, lo..hi, scores)
             }
         }
-        // Steps 2-4 for every row of the tile: its visible list, and per head the weights and 1 / Σ.
-        s.lead.clear();
-        s.visible.clear();
-        s.vis_start.clear();
+        // Steps 2-4 for every (row, head): the weights and the factor of the sums.
         s.p.clear();
         s.p_start.clear();
         s.inv.clear();
-        // The leading keys 0 .. shared that every row of the tile sees (all cached keys, in a block
-        // over a cache): one pass over their values serves every (row, head) of the tile (step 5).
-        let mut shared = usize::MAX;
         for (ri, r) in rows.clone().enumerate() {
-            let v0 = s.visible.len();
-            s.vis_start.push(v0);
-            // `lead`: the row's leading visible keys 0 .. lead (all of a causal row's, the whole cache
-            // for a tree's row), read as a run; only the keys after them are listed.
-            let lead = match self.vis {
-                Visibility::Causal { offset } => (offset + r + 1).min(keys),
-                Visibility::Additive(m) => {
-                    let m = &m[r * keys..(r + 1) * keys];
-                    let lead = leading_visible(&m[..seen]);
-                    // Branch-free: every key is written, and the count moves past the visible ones.
-                    s.visible.resize(v0 + seen - lead, 0);
-                    let mut n = v0;
-                    for (j, &bias) in m[lead..seen].iter().enumerate() {
-                        s.visible[n] = (lead + j) as u32;
-                        n += usize::from(bias != f32::NEG_INFINITY);
-                    }
-                    s.visible.truncate(n);
-                    lead
-                }
-            };
-            s.lead.push(lead);
-            shared = shared.min(lead);
-            let rest = &s.visible[v0..];
+            let (run, listed) = (lo..s.run_end[ri], &lists.listed[s.listed[ri].clone()]);
             for g in 0..group {
                 let scores = &s.scores[(ri * group + g) * kp..][..kp];
                 let p0 = s.p.len();
                 s.p_start.push(p0);
                 match self.vis {
-                    Visibility::Causal { .. } => s.p.extend(scores[..lead].iter().map(|&x| x * self.scale)),
+                    Visibility::Causal { .. } => {
+                        s.p.extend(scores[..run.len()].iter().map(|&x| x * self.scale))
+                    }
                     Visibility::Additive(m) => {
                         let m = &m[r * keys..];
-                        let run = scores[..lead].iter().zip(&m[..lead]);
+                        let run = scores[..run.len()].iter().zip(&m[run.clone()]);
                         s.p.extend(run.map(|(&x, &b)| x * self.scale + b));
                         s.p.extend(
-                            rest.iter()
-                                .map(|&j| scores[j as usize] * self.scale + m[j as usize]),
+                            listed
+                                .iter()
+                                .map(|&j| scores[j as usize - lo] * self.scale + m[j as usize]),
                         )
                     }
                 }
@@ -378,32 +568,103 @@ impl<E: KvElement> Problem<'_, E> {
                 for x in p.iter_mut() {
                     *x = exp_nonpositive(*x - max);
                 }
-                s.inv.push(if p.is_empty() { 0.0 } else { 1.0 / lane_sum(p) });
+                let sum = if p.is_empty() { 0.0 } else { lane_sum(p) };
+                s.inv.push(match dst.stats {
+                    None if p.is_empty() => 0.0,
+                    None => 1.0 / sum,
+                    Some(stats) => {
+                        if !p.is_empty() {
+                            // SAFETY: this (segment, row, head) is this unit's alone.
+                            let at = 2 * dst.slot(ri, g);
+                            unsafe { stats.range(at, 2) }.copy_from_slice(&[max, sum]);
+                        }
+                        1.0
+                    }
+                });
             }
         }
-        s.vis_start.push(s.visible.len());
-        // Step 5 for the tile's (row, head) slots, a few at a time.
-        let slots = rows.len() * group;
+        // Step 5 for the tile's (row, head) slots, a few at a time. The keys lo .. shared lead every
+        // row's part (in a block over a cache, the cached keys): one pass over their values serves
+        // every slot.
+        let shared = lo..s.run_end.iter().copied().min().unwrap_or(lo);
         // AVX2's 16 registers hold 8 sums beside the loaded values: two slots of 32 dimensions, or one
         // of 64 ([`avx2`]).
         let avx2 = width == Width::W256;
         let mut slot0 = 0;
         while slot0 < slots {
             let n = (slots - slot0).min(if avx2 { 2 } else { VALUE_SLOTS });
-            let (w, row0) = (width, rows.start);
+            let (w, sh) = (width, shared.clone());
             match (n, avx2) {
-                (1, _) => self.weighted_values::<1, 64>(w, kvh, row0, slot0, shared, s, out),
-                (2, true) => self.weighted_values::<2, 32>(w, kvh, row0, slot0, shared, s, out),
-                (2, _) => self.weighted_values::<2, 64>(w, kvh, row0, slot0, shared, s, out),
-                (3, _) => self.weighted_values::<3, 64>(w, kvh, row0, slot0, shared, s, out),
-                _ => self.weighted_values::<4, 64>(w, kvh, row0, slot0, shared, s, out),
+                (1, _) => self.weighted_values::<1, 64>(w, kvh, slot0, sh, s, dst),
+                (2, true) => self.weighted_values::<2, 32>(w, kvh, slot0, sh, s, dst),
+                (2, _) => self.weighted_values::<2, 64>(w, kvh, slot0, sh, s, dst),
+                (3, _) => self.weighted_values::<3, 64>(w, kvh, slot0, sh, s, dst),
+                _ => self.weighted_values::<4, 64>(w, kvh, slot0, sh, s, dst),
             }
             slot0 += n;
         }
     }
 
-    /// `kt[d · kp + j] = k_j[d]` for the keys below `seen` of head `kvh` (columns from `seen` to `kp`
-    /// keep whatever they held: their scores are never read). Pure data movement, so how it is done
+    /// Step 6 for the given rows and the query heads of key/value head `kvh`, once every segment has
+    /// left its results (segment `k`'s in `segment(k)`).
+    #[inline(always)]
+    fn merge<'s, 'a: 's>(
+        &self,
+        kvh: usize,
+        rows: std::ops::Range<usize>,
+        segment: impl Fn(usize) -> Slots<'s, 'a>,
+        out: &super::pool::SharedMut<f32>,
+    ) {
+        let (hd, heads) = (self.shape.hd, self.shape.heads);
+        let group = heads / self.shape.kv_heads;
+        for (ri, r) in rows.enumerate() {
+            for g in 0..group {
+                // SAFETY: every unit writing these has finished, and this (row, head)'s output is this
+                // unit's alone.
+                let stats = |k: usize| {
+                    let at = segment(k);
+                    let st = unsafe { at.stats.unwrap().range(2 * at.slot(ri, g), 2) };
+                    (st[0], st[1])
+                };
+                let top = (0..self.segments).fold(f32::NEG_INFINITY, |m, k| m.max(stats(k).0));
+                let o = unsafe { out.range((r * heads + kvh * group + g) * hd, hd) };
+                let mut sum = None;
+                for k in 0..self.segments {
+                    let (m, sum_k) = stats(k);
+                    if m == f32::NEG_INFINITY {
+                        continue;
+                    }
+                    let w = exp_nonpositive(m - top);
+                    let at = segment(k);
+                    let o_k = unsafe { at.o.range(at.slot(ri, g) * hd, hd) };
+                    sum = Some(match sum {
+                        None => {
+                            for (x, &y) in o.iter_mut().zip(o_k.iter()) {
+                                *x = w * y;
+                            }
+                            w * sum_k
+                        }
+                        Some(sum) => {
+                            for (x, &y) in o.iter_mut().zip(o_k.iter()) {
+                                *x = w.mul_add(y, *x);
+                            }
+                            w.mul_add(sum_k, sum)
+                        }
+                    });
+                }
+                match sum {
+                    None => o.fill(0.0),
+                    Some(sum) => {
+                        let inv = 1.0 / sum;
+                        o.iter_mut().for_each(|x| *x *= inv);
+                    }
+                }
+            }
+        }
+    }
+
+    /// `kt[d · kp + j - keys.start] = k_j[d]` for the `keys` of head `kvh` (columns past them keep
+    /// whatever they held: their scores are never read). Pure data movement, so how it is done
     /// cannot change a result.
     #[inline(always)]
     fn transpose_keys(
@@ -411,29 +672,29 @@ impl<E: KvElement> Problem<'_, E> {
         width: Width,
         kd: &[f32],
         kvh: usize,
-        seen: usize,
+        keys: std::ops::Range<usize>,
         kp: usize,
         kt: &mut Vec<f32>,
     ) {
-        let hd = self.shape.hd;
+        let (hd, lo, hi) = (self.shape.hd, keys.start, keys.end);
         if kt.len() < hd * kp {
             kt.resize(hd * kp, 0.0);
         }
         let src = |j: usize, d: usize| j * self.shape.row_stride + kvh * hd + d;
         // The head's key rows PREFETCH_KEYS on, asked for as each block of keys is moved.
         let prefetch = |j0: usize, n: usize| {
-            for j in j0 + PREFETCH_KEYS..(j0 + PREFETCH_KEYS + n).min(seen) {
+            for j in j0 + PREFETCH_KEYS..(j0 + PREFETCH_KEYS + n).min(hi) {
                 super::prefetch_l1(kd.as_ptr().wrapping_add(src(j, 0)).cast(), 4 * hd);
             }
         };
-        let mut j0 = 0;
+        let mut j0 = lo;
         #[cfg(target_arch = "x86_64")]
         if width == Width::W512 && hd.is_multiple_of(LANES) {
-            while j0 + LANES <= seen {
+            while j0 + LANES <= hi {
                 prefetch(j0, LANES);
                 for d0 in (0..hd).step_by(LANES) {
                     let from = &kd[src(j0, d0)..src(j0 + LANES - 1, d0) + LANES];
-                    let to = &mut kt[d0 * kp + j0..(d0 + LANES - 1) * kp + j0 + LANES];
+                    let to = &mut kt[d0 * kp + j0 - lo..(d0 + LANES - 1) * kp + j0 - lo + LANES];
                     // SAFETY: W512 was checked by the caller; both slices span the 16 x 16 block.
                     unsafe { transpose16_avx512(from, self.shape.row_stride, to, kp) };
                 }
@@ -442,11 +703,11 @@ impl<E: KvElement> Problem<'_, E> {
         }
         #[cfg(target_arch = "x86_64")]
         if width == Width::W256 && hd.is_multiple_of(8) {
-            while j0 + 8 <= seen {
+            while j0 + 8 <= hi {
                 prefetch(j0, 8);
                 for d0 in (0..hd).step_by(8) {
                     let from = &kd[src(j0, d0)..src(j0 + 7, d0) + 8];
-                    let to = &mut kt[d0 * kp + j0..(d0 + 7) * kp + j0 + 8];
+                    let to = &mut kt[d0 * kp + j0 - lo..(d0 + 7) * kp + j0 - lo + 8];
                     // SAFETY: W256 (AVX2) was checked by the caller; both slices span the 8 x 8 block.
                     unsafe { transpose8_avx(from, self.shape.row_stride, to, kp) };
                 }
@@ -454,52 +715,50 @@ impl<E: KvElement> Problem<'_, E> {
             }
         }
         let _ = width;
-        for j in j0..seen {
+        for j in j0..hi {
             for d in 0..hd {
-                kt[d * kp + j] = kd[src(j, d)];
+                kt[d * kp + j - lo] = kd[src(j, d)];
             }
         }
     }
 
-    /// Step 5 for the N (row, head) slots from `slot0` of the tile whose first row is `row0` (slot
-    /// `ri · group + g`): `o = (Σ_t p_t · v_{visible[t]}) · inv`, one fused multiply-add chain per output
-    /// element in visible order, then one multiply. The first `shared` visible keys are the same keys
-    /// 0 .. shared for every slot, so their values are read once for all N; each slot then continues
-    /// its own chain over the rest of its leading run and then its listed keys.
+    /// Step 5 for the N (row, head) slots from `slot0` of the unit's tile (slot `ri · group + g`):
+    /// `o = (Σ_t p_t · v_{key(t)}) · inv`, one fused multiply-add chain per output element in visible
+    /// order, then one multiply, written to its slot of `dst`. The `shared` keys lead every slot's part,
+    /// so their values are read once for all N; each slot then continues its own chain over the rest
+    /// of its run and then its listed keys.
     #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
     fn weighted_values<const N: usize, const D: usize>(
         &self,
         width: Width,
         kvh: usize,
-        row0: usize,
         slot0: usize,
-        shared: usize,
+        shared: std::ops::Range<usize>,
         s: &Scratch,
-        out: &super::pool::SharedMut<f32>,
+        dst: Slots,
     ) {
         let (hd, group) = (self.shape.hd, self.shape.heads / self.shape.kv_heads);
         let ri = |i: usize| (slot0 + i) / group;
-        let lead = |i: usize| s.lead[ri(i)];
-        let listed = |i: usize| &s.visible[s.vis_start[ri(i)]..s.vis_start[ri(i) + 1]];
+        let run_end = |i: usize| s.run_end[ri(i)];
+        let listed = |i: usize| &self.lists.listed[s.listed[ri(i)].clone()];
         let p: [&[f32]; N] = std::array::from_fn(|i| {
             let start = s.p_start[slot0 + i];
-            &s.p[start..start + lead(i) + listed(i).len()]
+            &s.p[start..start + run_end(i) - shared.start + listed(i).len()]
         });
         for d0 in (0..hd).step_by(D) {
             let n = D.min(hd - d0);
             let mut acc = [[0.0f32; D]; N];
             let first = slot0 == 0;
-            self.accumulate::<N, D, _>(width, kvh, KeyRun(0..shared), p, d0, n, first, &mut acc);
+            let run = KeyRun(shared.clone());
+            self.accumulate::<N, D, _>(width, kvh, run, p, d0, n, first, &mut acc);
             for (i, a) in acc.iter_mut().enumerate() {
                 let one: &mut [[f32; D]; 1] = std::slice::from_mut(a).try_into().unwrap();
-                let (run, pi) = (KeyRun(shared..lead(i)), &p[i][shared..]);
+                let (run, pi) = (KeyRun(shared.end..run_end(i)), &p[i][shared.len()..]);
                 self.accumulate::<1, D, _>(width, kvh, run.clone(), [pi], d0, n, false, one);
                 let rest = [&pi[run.len()..]];
                 self.accumulate::<1, D, _>(width, kvh, listed(i), rest, d0, n, false, one);
-                let (r, g) = (row0 + ri(i), (slot0 + i) % group);
-                // SAFETY: row r's head g of this group is written by this unit only.
-                let o = unsafe { out.range((r * self.shape.heads + kvh * group + g) * hd + d0, n) };
+                // SAFETY: the slot is written by this unit only.
+                let o = unsafe { dst.o.range(dst.slot(ri(i), (slot0 + i) % group) * hd + d0, n) };
                 let inv = s.inv[slot0 + i];
                 for (x, &y) in o.iter_mut().zip(&a[..n]) {
                     *x = y * inv;
@@ -651,34 +910,35 @@ impl KeyList for &[u32] {
     }
 }
 
-/// Every slot's scores over the keys below `seen` (`slots`, `q`, `keys`, `scores` as in
-/// [`score_slots`]), a [`KEY_CHUNK`] at a time.
+/// Every slot's scores over `keys` (from a multiple of [`KEY_CHUNK`]), a chunk at a time, key `j`'s at
+/// `j - keys.start` of the slot's scores (`slots`, `q`, `kt`, `scores` as in [`score_slots`]).
 #[inline(always)]
 fn score_all<'q, K: KvElement>(
     width: Width,
     slots: usize,
     q: impl Fn(usize) -> &'q [f32] + Copy,
     (kt, layout): (&[K], KeyLayout),
-    seen: usize,
+    keys: std::ops::Range<usize>,
     (scores, kp): (&mut [f32], usize),
 ) {
     #[cfg(target_arch = "x86_64")]
     if width == Width::W256 {
         // SAFETY: W256 runs only where the CPU has AVX2 and FMA (`attention_with` checks).
-        return unsafe { avx2::score_all(slots, q, (kt, layout), seen, (scores, kp)) };
+        return unsafe { avx2::score_all(slots, q, (kt, layout), keys, (scores, kp)) };
     }
     // Four slots at a time where 32 vector registers hold their 16 chains, else two.
     let quads = width == Width::W512;
-    for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
+    let (lo, hi) = (keys.start, keys.end);
+    for j0 in (lo..hi).step_by(KEY_CHUNK) {
         // The last chunk only as wide as the keys it holds, in whole vectors (a cache of 257 keys
         // would otherwise score 320; a score is its own chain, so the width cannot change it).
         // The chunk's keys and scores from their start.
         let (at, ks) = layout.chunk(j0);
-        let (keys, scores) = ((&kt[at..], ks), (&mut scores[j0..], kp));
+        let (keys, scores) = ((&kt[at..], ks), (&mut scores[j0 - lo..], kp));
         // The next chunk's keys are asked for while this one is scored (as rows, its 64 rows lie `ks`
         // apart, a pattern the hardware prefetcher does not follow).
-        let ahead = (j0 + KEY_CHUNK < seen).then(|| layout.chunk(j0 + KEY_CHUNK).0 - at);
-        match (seen - j0).min(KEY_CHUNK).div_ceil(LANES) {
+        let ahead = (j0 + KEY_CHUNK < hi).then(|| layout.chunk(j0 + KEY_CHUNK).0 - at);
+        match (hi - j0).min(KEY_CHUNK).div_ceil(LANES) {
             1 => score_slots::<16, K>(slots, q, keys, 0, scores, quads, ahead),
             2 => score_slots::<32, K>(slots, q, keys, 0, scores, quads, ahead),
             3 => score_slots::<48, K>(slots, q, keys, 0, scores, quads, ahead),
@@ -1028,14 +1288,36 @@ fn run<E: KvElement>(
         .div_ceil(kv_heads)
         .clamp(1, (rows / 4).max(1))
         .max(rows.div_ceil(MAX_TILE_ROWS));
+    let tile = rows.div_ceil(tiles).max(1);
+    let tiles = rows.div_ceil(tile).max(1);
+    let lists = VisibleLists::new(vis, rows, shape.keys);
+    let segments = (0..rows).map(|r| lists.segments(r)).max().unwrap_or(1);
+    // Segments are units of their own, sharing the threads, where their results are few: then step
+    // 6's inputs have a buffer of their own per segment.
+    let slots = segments * rows * heads;
+    let split = segments > 1 && slots * (hd + 2) * size_of::<f32>() <= SPLIT_BYTES;
+    let (mut partial_o, mut stats) = if split {
+        (vec![0.0f32; slots * hd], vec![f32::NEG_INFINITY; 2 * slots])
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let split = split.then(|| Partials {
+        o: super::pool::SharedMut::new(&mut partial_o),
+        stats: super::pool::SharedMut::new(&mut stats),
+        done: (0..kv_heads * tiles).map(|_| Default::default()).collect(),
+    });
     let problem = Problem {
         qv,
         keys_in,
         vd,
         vis,
+        lists,
         scale,
         shape,
-        tile: rows.div_ceil(tiles).max(1),
+        tile,
+        tiles,
+        segments,
+        split,
     };
     let shared = super::pool::SharedMut::new(&mut out);
     pool.run(problem.units(), &|u| {
@@ -1079,21 +1361,21 @@ mod avx2 {
         slots: usize,
         q: impl Fn(usize) -> &'q [f32],
         (kt, layout): (&[K], KeyLayout),
-        seen: usize,
+        keys: std::ops::Range<usize>,
         (scores, kp): (&mut [f32], usize),
     ) {
-        let hd = q(0).len();
-        for j0 in (0..seen.next_multiple_of(KEY_CHUNK)).step_by(KEY_CHUNK) {
-            let w = (seen - j0).min(KEY_CHUNK).next_multiple_of(LANES);
+        let (hd, lo, hi) = (q(0).len(), keys.start, keys.end);
+        for j0 in (lo..hi).step_by(KEY_CHUNK) {
+            let w = (hi - j0).min(KEY_CHUNK).next_multiple_of(LANES);
             // The chunk's keys and scores from their start.
             let (at, ks) = layout.chunk(j0);
             let kt = &kt[at..];
-            assert!((hd - 1) * ks + w <= kt.len() && (slots - 1) * kp + j0 + w <= scores.len());
+            assert!((hd - 1) * ks + w <= kt.len() && (slots - 1) * kp + j0 - lo + w <= scores.len());
             // The next chunk's keys are asked for while this one is scored.
-            let mut ahead = (j0 + KEY_CHUNK < seen).then(|| layout.chunk(j0 + KEY_CHUNK).0 - at);
+            let mut ahead = (j0 + KEY_CHUNK < hi).then(|| layout.chunk(j0 + KEY_CHUNK).0 - at);
             let mut slot = 0;
             while slot < slots {
-                let out = scores.as_mut_ptr().add(slot * kp + j0);
+                let out = scores.as_mut_ptr().add(slot * kp + j0 - lo);
                 if slot + 1 < slots {
                     let qs = [q(slot), q(slot + 1)];
                     for j in (0..w).step_by(32) {
@@ -1288,6 +1570,9 @@ mod tests {
             (2, 4, 4, 64, 40),
             (1, 2, 1, 16, 3),
             (5, 9, 3, 64, 150),
+            // Lists of several segments: 4 of them (the last 333 keys), and rows of 3 and 4.
+            (1, 9, 3, 64, 1100),
+            (4, 8, 2, 72, 885),
         ] {
             let keys = cached + rows;
             let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 4);
@@ -1354,6 +1639,52 @@ mod tests {
         assert_eq!(alone, got[4 * heads * hd..].to_vec());
     }
 
+    /// Rows whose visible lists are cut into segments at different places (a run of the cache, then
+    /// keys listed across a segment's start; lists of 1 to 3 segments, around where the count rounds
+    /// up) give, at every width, the bits of the same row alone over a cache holding just its visible
+    /// keys (as plain decoding's would), and match straightforward attention.
+    #[test]
+    fn long_lists_are_cut_into_segments_that_do_not_change_a_row() {
+        let (heads, kvh, hd, keys) = (6, 2, 64, 900);
+        // (leading run, listed keys after it): the lists' lengths and their segments.
+        let rows: [(usize, Vec<usize>); 6] = [
+            (200, (201..600).step_by(2).collect()), // 400 keys, 2 segments, the list across 256
+            (383, vec![]),                          // 383 keys, 1 segment of all of them
+            (380, vec![500, 700, 899]),             // 383 keys: still one segment
+            (383, vec![899]),                       // 384 keys, 2 segments
+            (639, vec![]),                          // 639: 2 segments, the second of 383
+            (600, (640..900).step_by(3).collect()), // 687 keys, 3 segments
+        ];
+        let lens: Vec<usize> = rows.iter().map(|(l, rest)| l + rest.len()).collect();
+        let segs: Vec<usize> = lens.iter().map(|&n| segments(n)).collect();
+        assert_eq!(segs, [2, 1, 1, 2, 2, 3], "lengths {lens:?}");
+        let sees = |r: usize, j: usize| j < rows[r].0 || rows[r].1.contains(&j);
+        let mask: Vec<f32> = (0..rows.len())
+            .flat_map(|r| (0..keys).map(move |j| (r, j)))
+            .map(|(r, j)| if sees(r, j) { 0.0 } else { f32::NEG_INFINITY })
+            .collect();
+        let (q, k, v) = qkv(rows.len(), heads, kvh, hd, keys, 31);
+        let flat = |t: Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let want = reference(&q, &k, &v, &sees);
+        let row = heads * hd;
+        for w in Width::ALL.into_iter().filter(|w| w.available()) {
+            let got = flat(attention_f32_with(w, &q, &k, &v, Visibility::Additive(&mask), 0.125).unwrap());
+            for (a, b) in got.iter().zip(&want) {
+                assert!((a - b).abs() < 1e-5, "{w:?}: {a} vs {b}");
+            }
+            for (r, (lead, rest)) in rows.iter().enumerate() {
+                let visible: Vec<u32> = (0..*lead).chain(rest.iter().copied()).map(|j| j as u32).collect();
+                let idx = Tensor::new(visible.as_slice(), &Device::Cpu).unwrap();
+                let (k1, v1) = (k.index_select(&idx, 1).unwrap(), v.index_select(&idx, 1).unwrap());
+                let n = visible.len();
+                let vis = Visibility::Causal { offset: n - 1 };
+                let alone =
+                    flat(attention_f32_with(w, &q.narrow(1, r, 1).unwrap(), &k1, &v1, vis, 0.125).unwrap());
+                assert_eq!(alone, got[r * row..(r + 1) * row], "{w:?}: row {r}");
+            }
+        }
+    }
+
     #[test]
     fn leading_visible_counts_up_to_the_first_hidden_key() {
         for len in [0, 1, 15, 16, 17, 40, 64, 100] {
@@ -1377,10 +1708,27 @@ mod tests {
 
     /// A causal prefill long enough to be cut into several row tiles ([`MAX_TILE_ROWS`]) gives every row
     /// the bits it gets alone over the cache before it (as decoding one token at a time computes it),
-    /// and the bits of the same block under an additive causal mask, at every width.
+    /// and the bits of the same block under an additive causal mask, at every width; with its rows'
+    /// lists cut into segments, whether the block's segments are units of their own or each unit
+    /// takes its segments in turn ([`SPLIT_BYTES`]; a row alone splits them).
     #[test]
     fn long_causal_blocks_are_row_invariant() {
-        let (rows, heads, kvh, hd, cached) = (3 * MAX_TILE_ROWS + 5, 9, 3, 64, 11);
+        let (rows, heads, hd) = (3 * MAX_TILE_ROWS + 5, 9, 64);
+        let results = |cached: usize| segments(cached + rows) * rows * heads * (hd + 2) * 4;
+        // Rows see 335 .. 435 keys: one segment up to 383, two from 384 (rows 48 and 49); split.
+        let cached = 334;
+        assert_eq!((segments(cached + 49), segments(cached + 50)), (1, 2));
+        assert!(results(cached) <= SPLIT_BYTES);
+        causal_block_rows_match_rows_alone(rows, cached, &[48, 49]);
+        // Rows see 1101 .. 1201 keys: 4 segments up to 1151, 5 from 1152 (row 51); in turn.
+        let cached = 1100;
+        assert_eq!((segments(cached + 51), segments(cached + 52)), (4, 5));
+        assert!(results(cached) > SPLIT_BYTES);
+        causal_block_rows_match_rows_alone(rows, cached, &[50, 51]);
+    }
+
+    fn causal_block_rows_match_rows_alone(rows: usize, cached: usize, also: &[usize]) {
+        let (heads, kvh, hd) = (9, 3, 64);
         let keys = cached + rows;
         let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 7);
         let mask: Vec<f32> = (0..rows)
@@ -1395,15 +1743,15 @@ mod tests {
             let additive =
                 flat(attention_f32_with(w, &q, &k, &v, Visibility::Additive(&mask), 0.125).unwrap());
             assert_eq!(causal, additive, "{w:?}: causal and additive masks differ");
-            for r in [
+            let tiles = [
                 0,
                 1,
                 MAX_TILE_ROWS - 1,
                 MAX_TILE_ROWS,
                 MAX_TILE_ROWS + 1,
                 2 * MAX_TILE_ROWS + 3,
-                rows - 1,
-            ] {
+            ];
+            for &r in tiles.iter().chain(also).chain(&[rows - 1]) {
                 let n = cached + r + 1;
                 let alone = attention_f32_with(
                     w,
@@ -1414,7 +1762,11 @@ mod tests {
                     0.125,
                 )
                 .unwrap();
-                assert_eq!(flat(alone), causal[r * row..(r + 1) * row], "{w:?}: row {r}");
+                assert_eq!(
+                    flat(alone),
+                    causal[r * row..(r + 1) * row],
+                    "{w:?}: row {r} after {cached}"
+                );
             }
         }
     }
@@ -1423,10 +1775,16 @@ mod tests {
     /// stale values beyond them) give the bits of transposing them, causal or masked.
     #[test]
     fn transposed_keys_give_the_same_bits() {
-        let (rows, heads, kvh, hd, cached) = (6, 9, 3, 64, 70);
+        for cached in [70, 700] {
+            transposed_keys_give_the_same_bits_after(cached);
+        }
+    }
+
+    fn transposed_keys_give_the_same_bits_after(cached: usize) {
+        let (rows, heads, kvh, hd) = (6, 9, 3, 64);
         let keys = cached + rows;
         let (q, k, v) = qkv(rows, heads, kvh, hd, keys, 11);
-        let stride = 3 * KEY_CHUNK;
+        let stride = keys.next_multiple_of(KEY_CHUNK) + KEY_CHUNK;
         let kv = k.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let mut data = vec![f32::NAN; kvh * hd * stride];
         for j in 0..keys {
@@ -1437,7 +1795,7 @@ mod tests {
         let kt = TransposedKeys { data: &data, stride };
         let mask: Vec<f32> = (0..rows * keys)
             .map(|i| {
-                if i % keys <= cached || (i % keys) % 3 == 0 {
+                if i % keys <= cached || (i % keys).is_multiple_of(3) {
                     0.0
                 } else {
                     f32::NEG_INFINITY
@@ -1454,7 +1812,7 @@ mod tests {
         }
         let short = TransposedKeys {
             data: &data,
-            stride: KEY_CHUNK,
+            stride: keys.next_multiple_of(KEY_CHUNK) - KEY_CHUNK,
         };
         assert!(attention_f32_keys(
             &q,
@@ -1524,6 +1882,48 @@ mod tests {
         let vis = Visibility::Causal { offset: cached };
         assert!(attention_f32_keys(&q, Keys::TransposedBf16(kt), &v, vis, 0.125).is_err());
         assert!(attention_f32_keys(&q, Keys::Rows(&k), &v_bf16, vis, 0.125).is_err());
+    }
+
+    /// `cargo test --release --lib attention::tests::decoding_timing -- --ignored --nocapture`: µs per
+    /// layer of SmolLM2's attention in a decoding step (1 or 4 rows; 9 heads, 3 key/value heads, head
+    /// size 64) over a bf16 cache of 256-2048 tokens, one pass over 30 layers' caches a call, as a step
+    /// reads them (not from a cache level that one layer's would fit).
+    #[test]
+    #[ignore]
+    fn decoding_timing() {
+        use half::bf16;
+        let (heads, kvh, hd, layers) = (9, 3, 64, 30);
+        for cached in [256usize, 1024, 2048] {
+            for rows in [1, 4] {
+                let keys = cached + rows;
+                let stride = keys.next_multiple_of(KEY_CHUNK);
+                let data: Vec<Vec<bf16>> = (0..layers)
+                    .map(|l| {
+                        let k = rand_tensor(&[kvh * hd * stride], 100 + l as u32);
+                        let k: Vec<f32> = k.to_vec1().unwrap();
+                        k.iter().map(|&x| bf16::from_f32(x)).collect()
+                    })
+                    .collect();
+                let values: Vec<Tensor> = (0..layers)
+                    .map(|l| {
+                        let v = rand_tensor(&[1, keys, kvh, hd], 200 + l as u32);
+                        v.to_dtype(DType::BF16).unwrap()
+                    })
+                    .collect();
+                let q = rand_tensor(&[1, rows, heads, hd], 7);
+                let vis = Visibility::Causal { offset: cached };
+                let t = crate::kernels::median_ms(0.2, || {
+                    for (d, v) in data.iter().zip(&values) {
+                        let kt = TransposedKeys { data: d, stride };
+                        attention_f32_keys(&q, Keys::TransposedBf16(kt), v, vis, 0.125).unwrap();
+                    }
+                });
+                println!(
+                    "{cached:5} cached, {rows} rows: {:7.1} us a layer",
+                    t * 1e3 / layers as f64
+                );
+            }
+        }
     }
 
     /// `cargo test --release --lib attention::tests::timing -- --ignored --nocapture`: µs per call of

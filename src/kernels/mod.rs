@@ -30,7 +30,7 @@ use candle_core::{DType, Error, Result, Storage, Tensor};
 
 pub use attention::{
     attention_f32, attention_f32_keys, attention_f32_with, transposed_key_index, Keys, TransposedKeys,
-    Visibility, Width, KEY_CHUNK,
+    Visibility, Width, KEY_CHUNK, SEGMENT,
 };
 pub use elementwise::{add_f32, rms_norm_f32, rope_f32, swiglu_f32};
 pub use isa::Isa;
