@@ -259,7 +259,6 @@ struct Problem<'a, E> {
     scale: f32,
     shape: Shape,
     tile: usize,
-    tiles: usize,
     segments: usize,
     /// With more than one segment: whether each segment is a unit of its own ([`SPLIT_BYTES`]), and
     /// then where they leave their results for step 6; else a unit takes its segments in turn and keeps
@@ -289,8 +288,9 @@ impl VisibleLists {
         let mut lists = VisibleLists {
             lead: Vec::with_capacity(rows),
             listed: Vec::new(),
-            starts: vec![0],
+            starts: Vec::with_capacity(rows + 1),
         };
+        lists.starts.push(0);
         for r in 0..rows {
             let lead = match vis {
                 Visibility::Causal { offset } => (offset + r + 1).min(keys),
@@ -380,9 +380,13 @@ struct Scratch {
 }
 
 impl<E: KvElement> Problem<'_, E> {
+    fn tiles(&self) -> usize {
+        self.shape.rows.div_ceil(self.tile)
+    }
+
     fn units(&self) -> usize {
         let segments = if self.split.is_some() { self.segments } else { 1 };
-        self.shape.kv_heads * self.tiles * segments
+        self.shape.kv_heads * self.tiles() * segments
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -414,7 +418,7 @@ impl<E: KvElement> Problem<'_, E> {
     /// merged by the last unit of the (key/value head, tile) to finish.
     #[inline(always)]
     fn unit(&self, width: Width, u: usize, s: &mut Scratch, out: &super::pool::SharedMut<f32>) {
-        let (kv_heads, per_segment) = (self.shape.kv_heads, self.shape.kv_heads * self.tiles);
+        let (kv_heads, per_segment) = (self.shape.kv_heads, self.shape.kv_heads * self.tiles());
         let (seg, tile_id) = (u / per_segment, u % per_segment);
         let (kvh, t) = (tile_id % kv_heads, tile_id / kv_heads);
         let rows = t * self.tile..((t + 1) * self.tile).min(self.shape.rows);
@@ -490,11 +494,11 @@ impl<E: KvElement> Problem<'_, E> {
         s.run_end.clear();
         s.listed.clear();
         for r in rows.clone() {
-            let (lead, at) = (lists.lead[r], lists.starts[r]);
+            let (lead, at, count) = (lists.lead[r], lists.starts[r], lists.segments(r));
             // The row's visible positions lo .. end.
             let end = match seg + 1 {
-                k if k < lists.segments(r) => lo + SEGMENT,
-                k if k == lists.segments(r) => lists.len(r),
+                k if k < count => lo + SEGMENT,
+                k if k == count => lists.len(r),
                 _ => lo,
             };
             let (run_end, listed) = if end > lo {
@@ -1289,7 +1293,6 @@ fn run<E: KvElement>(
         .clamp(1, (rows / 4).max(1))
         .max(rows.div_ceil(MAX_TILE_ROWS));
     let tile = rows.div_ceil(tiles).max(1);
-    let tiles = rows.div_ceil(tile).max(1);
     let lists = VisibleLists::new(vis, rows, shape.keys);
     let segments = (0..rows).map(|r| lists.segments(r)).max().unwrap_or(1);
     // Segments are units of their own, sharing the threads, where their results are few: then step
@@ -1304,7 +1307,9 @@ fn run<E: KvElement>(
     let split = split.then(|| Partials {
         o: super::pool::SharedMut::new(&mut partial_o),
         stats: super::pool::SharedMut::new(&mut stats),
-        done: (0..kv_heads * tiles).map(|_| Default::default()).collect(),
+        done: (0..kv_heads * rows.div_ceil(tile))
+            .map(|_| Default::default())
+            .collect(),
     });
     let problem = Problem {
         qv,
@@ -1315,7 +1320,6 @@ fn run<E: KvElement>(
         scale,
         shape,
         tile,
-        tiles,
         segments,
         split,
     };
