@@ -12,7 +12,10 @@
 //! range of task indices that whoever is there claims, so a late worker finds nothing left to do. The
 //! caller claims from the front and the workers from the back, so a worker knows which part of the next
 //! job it will most likely run, and may fetch that part's weights while it waits for the caller to
-//! finish the step's serial work ([`Pool::prefetch_hint`]); the memory idles then otherwise.
+//! finish the step's serial work ([`Pool::prefetch_hint`]); the memory idles then otherwise. A matrix
+//! product's job ([`Pool::run_ranges`]) is claimed in ranges that shrink as the two ends meet, so
+//! that a thread slowed for a while (the host's other tenants share its core and memory) leaves the
+//! other little to wait for at the end.
 //! Results never depend on which thread ran a task (each task writes its own outputs with its own fixed
 //! arithmetic), so a job submitted while another is running (tests in parallel, a nested call) simply
 //! runs on its caller's thread.
@@ -31,11 +34,30 @@ const SPIN: Duration = Duration::from_millis(2);
 /// checks.
 const YIELD_AFTER: u32 = 2048;
 
-/// The job being run: a borrowed closure (lifetime erased; see [`Pool::run`] for why that is sound).
+/// The job being run: a borrowed closure over ranges of task indices (lifetime erased; see
+/// `Pool::run_in` for why that is sound), and how large a range each claim takes (see [`claim`]).
 /// Its tasks are counted in `Shared::claims`.
 #[derive(Clone, Copy)]
 struct Job {
-    f: *const (dyn Fn(usize) + Sync),
+    f: *const (dyn Fn(usize, usize) + Sync),
+    sizes: Chunks,
+}
+
+/// How many task indices one claim takes: `max(min, left / div)` (`div` 0: always `min`), at most
+/// what is left.
+#[derive(Clone, Copy)]
+struct Chunks {
+    min: usize,
+    div: usize,
+}
+
+impl Chunks {
+    const ONE: Chunks = Chunks { min: 1, div: 0 };
+
+    fn size(self, left: usize) -> usize {
+        let guided = left.checked_div(self.div).unwrap_or(0);
+        guided.max(self.min).min(left)
+    }
 }
 
 struct Shared {
@@ -65,7 +87,7 @@ struct Shared {
 
 // SAFETY: `job` is written only by the one caller holding `Pool::submit`, while `open` is false and no
 // worker is inside a job (`active == 0`); workers read it only between raising `active` and seeing
-// `open` set, both sequentially consistent (see `Pool::run`).
+// `open` set, both sequentially consistent (see `Pool::run_in`).
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
 
@@ -97,7 +119,10 @@ impl Pool {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
             open: AtomicBool::new(false),
-            job: UnsafeCell::new(Job { f: &|_| {} }),
+            job: UnsafeCell::new(Job {
+                f: &|_, _| {},
+                sizes: Chunks::ONE,
+            }),
             claims: AtomicU64::new(0),
             hint_ptr: AtomicUsize::new(0),
             hint_len: AtomicUsize::new(0),
@@ -134,8 +159,8 @@ impl Pool {
     }
 
     /// Asks the idle workers to bring `bytes` into their caches while the caller works alone (a
-    /// layer's norms, rope, residuals): the end of the next job's data, which the workers' share of that
-    /// job reads first, since they claim its tasks from the back. Only a hint: a worker follows it while
+    /// layer's norms, rope, residuals): the end of the next job's data, which lies in the range a
+    /// worker claims first, since workers claim from the back. Only a hint: a worker follows it while
     /// it waits and drops it when a job comes.
     pub fn prefetch_hint(&self, bytes: &[u8]) {
         if self.threads < 2 {
@@ -151,15 +176,35 @@ impl Pool {
     /// returns when all have finished. Inside a rayon pool of one thread (the kernels' tests pin their
     /// thread count that way) or while another job runs, everything runs on the caller's thread.
     pub fn run(&self, tasks: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.run_in(tasks, Chunks::ONE, &|a, b| (a..b).for_each(f));
+    }
+
+    /// Runs `f(a, b)` over ranges `a..b` that together cover `0..units` once each, spread as [`Pool::run`]
+    /// spreads tasks. Each claim takes a share of what is left (`left / (2 · threads)`, at least `min`),
+    /// so the ranges start large and shrink as the threads meet: a thread that ran slower for a while
+    /// (another process on its core) leaves the other at most a small range to wait for at the end,
+    /// where equal tasks left it up to a whole one (a matrix product's eighth). On one thread, or with
+    /// at most `min` units, one range `0..units`.
+    pub fn run_ranges(&self, units: usize, min: usize, f: &(dyn Fn(usize, usize) + Sync)) {
+        let sizes = Chunks {
+            min: min.max(1),
+            div: 2 * self.threads,
+        };
+        self.run_in(units, sizes, f);
+    }
+
+    fn run_in(&self, tasks: usize, sizes: Chunks, f: &(dyn Fn(usize, usize) + Sync)) {
         // (`claims` counts tasks in 32 bits.)
         let fits = u32::try_from(tasks).is_ok();
-        let guard = if fits && tasks > 1 && self.threads > 1 && rayon::current_num_threads() > 1 {
+        let guard = if fits && tasks > sizes.min && self.threads > 1 && rayon::current_num_threads() > 1 {
             self.submit.try_lock().ok()
         } else {
             None
         };
         let Some(_guard) = guard else {
-            (0..tasks).for_each(f);
+            if tasks > 0 {
+                f(0, tasks);
+            }
             return;
         };
         let s = &*self.shared;
@@ -170,9 +215,11 @@ impl Pool {
         // `active` after our last read of it also reads `open` after we cleared it, and leaves.
         unsafe {
             *s.job.get() = Job {
-                f: std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const (dyn Fn(usize) + Sync)>(
-                    f,
-                ),
+                f: std::mem::transmute::<
+                    *const (dyn Fn(usize, usize) + Sync + '_),
+                    *const (dyn Fn(usize, usize) + Sync),
+                >(f),
+                sizes,
             };
         }
         s.claims.store((tasks as u64) << 32, SeqCst);
@@ -182,8 +229,8 @@ impl Pool {
             let _l = s.lock.lock().unwrap();
             s.wake.notify_all();
         }
-        while let Some(i) = claim(&s.claims, true) {
-            f(i);
+        while let Some((a, b)) = claim(&s.claims, true, sizes) {
+            f(a, b);
         }
         s.open.store(false, SeqCst);
         let mut spins = 0u32;
@@ -230,17 +277,23 @@ impl<'a, T> SharedMut<'a, T> {
     }
 }
 
-/// The next task index from the front (the caller) or the back (a worker), if any is left.
-fn claim(claims: &AtomicU64, front: bool) -> Option<usize> {
+/// The next range of task indices from the front (the caller) or the back (a worker), if any is left,
+/// `sizes` long.
+fn claim(claims: &AtomicU64, front: bool, sizes: Chunks) -> Option<(usize, usize)> {
     let mut c = claims.load(SeqCst);
     loop {
         let (f, b) = (c & 0xffff_ffff, c >> 32);
         if f >= b {
             return None;
         }
-        let (next, i) = if front { (c + 1, f) } else { (c - (1 << 32), b - 1) };
+        let n = sizes.size((b - f) as usize) as u64;
+        let (next, range) = if front {
+            (c + n, (f, f + n))
+        } else {
+            (c - (n << 32), (b - n, b))
+        };
         match claims.compare_exchange_weak(c, next, SeqCst, SeqCst) {
-            Ok(_) => return Some(i as usize),
+            Ok(_) => return Some((range.0 as usize, range.1 as usize)),
             Err(now) => c = now,
         }
     }
@@ -292,11 +345,11 @@ fn worker(s: &Shared) {
         seen = s.epoch.load(SeqCst);
         s.active.fetch_add(1, SeqCst);
         if s.open.load(SeqCst) {
-            // SAFETY: see `Pool::run`: while we are active and the job is open, it stays valid.
+            // SAFETY: see `Pool::run_in`: while we are active and the job is open, it stays valid.
             let job = unsafe { *s.job.get() };
             let f = unsafe { &*job.f };
-            while let Some(i) = claim(&s.claims, false) {
-                f(i);
+            while let Some((a, b)) = claim(&s.claims, false, job.sizes) {
+                f(a, b);
             }
         }
         s.active.fetch_sub(1, SeqCst);
@@ -314,7 +367,8 @@ mod tests {
             let mut got = Vec::new();
             // Alternating ends: the front counts up, the back down, and nothing is claimed twice.
             let mut front = true;
-            while let Some(i) = claim(&claims, front) {
+            while let Some((i, end)) = claim(&claims, front, Chunks::ONE) {
+                assert_eq!(end, i + 1);
                 got.push((front, i));
                 front = !front;
             }
@@ -327,8 +381,72 @@ mod tests {
                 (n.div_ceil(2)..n).rev().collect::<Vec<_>>(),
                 "{tasks} tasks"
             );
-            assert_eq!(claim(&claims, true), None);
-            assert_eq!(claim(&claims, false), None);
+            assert_eq!(claim(&claims, true, Chunks::ONE), None);
+            assert_eq!(claim(&claims, false, Chunks::ONE), None);
+        }
+    }
+
+    #[test]
+    fn ranges_shrink_as_the_ends_meet() {
+        // One thread claiming from either end in turn, as two threads at the same speed would.
+        for (units, min) in [(1000usize, 4usize), (37, 1), (5, 8), (1, 1)] {
+            let claims = AtomicU64::new((units as u64) << 32);
+            let sizes = Chunks { min, div: 4 };
+            let mut got = Vec::new();
+            let mut front = true;
+            while let Some((a, b)) = claim(&claims, front, sizes) {
+                got.push((front, a, b));
+                front = !front;
+            }
+            let lens: Vec<usize> = got.iter().map(|&(_, a, b)| b - a).collect();
+            assert_eq!(
+                lens[0],
+                (units / 4).max(min).min(units),
+                "{units} units: a quarter first"
+            );
+            assert!(lens.windows(2).all(|w| w[1] <= w[0]), "{units} units: {lens:?}");
+            assert!(lens[..lens.len() - 1].iter().all(|&n| n >= min), "{lens:?}");
+            assert!(
+                *lens.last().unwrap() <= min,
+                "{units} units: the ends meet in small steps"
+            );
+            // Each end's ranges follow on from its end, and the two meet with nothing left over.
+            let mut next_front = 0;
+            let mut next_back = units;
+            for &(front, a, b) in &got {
+                if front {
+                    assert_eq!(a, next_front);
+                    next_front = b;
+                } else {
+                    assert_eq!(b, next_back);
+                    next_back = a;
+                }
+            }
+            assert_eq!(next_front, next_back, "{units} units");
+        }
+    }
+
+    #[test]
+    fn ranges_cover_every_unit_once() {
+        let pool = Pool::new(3);
+        for units in [0, 1, 2, 5, 64, 1000, 100_000] {
+            for min in [1, 7] {
+                let hits: Vec<AtomicUsize> = (0..units).map(|_| AtomicUsize::new(0)).collect();
+                let calls = AtomicUsize::new(0);
+                pool.run_ranges(units, min, &|a, b| {
+                    assert!(a < b && b <= units, "{a}..{b} of {units}");
+                    calls.fetch_add(1, SeqCst);
+                    hits[a..b].iter().for_each(|h| {
+                        h.fetch_add(1, SeqCst);
+                    });
+                });
+                assert!(
+                    hits.iter().all(|h| h.load(SeqCst) == 1),
+                    "{units} units, min {min}"
+                );
+                // Shrinking shares: a few dozen claims, not one per unit.
+                assert!(calls.load(SeqCst) <= 200, "{units} units: {calls:?} ranges");
+            }
         }
     }
 

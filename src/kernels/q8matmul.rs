@@ -59,6 +59,10 @@ const TILE_ROWS: usize = 8;
 /// depend on it.)
 const PAR_MIN_WORK: usize = 1 << 18;
 
+/// The fewest weight bytes one claim of a product's groups takes ([`super::pool::Pool::run_ranges`]):
+/// a few microseconds of streaming, against the fraction of one a claim costs.
+const MIN_TASK_BYTES: usize = 32 << 10;
+
 /// The variants this kernel implements, best first.
 pub const VARIANTS: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Portable];
 
@@ -1031,11 +1035,11 @@ unsafe fn products_into(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: &[*mu
     let pool = super::pool::Pool::global();
     let work: usize = ws.iter().map(|w| m * w.rows * w.cols).sum();
     let parallel = work >= PAR_MIN_WORK;
-    // Per matrix: where its tasks write (`y` itself, rows of whole groups; a padded copy when the
-    // last group is partial) and its tasks, each a run of whole groups.
+    // Per matrix: where its groups' outputs go (`y` itself, rows of whole groups; a padded copy when
+    // the last group is partial) and where its groups start in the job's run of groups (the matrices'
+    // groups one after the other).
     struct Part<'a> {
         w: &'a PackedMatrix,
-        per_task: usize,
         first: usize,
         out: Out,
     }
@@ -1052,51 +1056,57 @@ unsafe fn products_into(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: &[*mu
         })
         .collect();
     let mut parts = Vec::with_capacity(ws.len());
-    let mut tasks = 0;
+    let mut groups = 0;
+    // The fewest groups a claim takes: MIN_TASK_BYTES of the largest groups' weights.
+    let mut min_groups = 1;
     for ((w, &y), buf) in ws.iter().zip(ys).zip(bufs.iter_mut()) {
-        let groups = w.groups();
-        if groups == 0 {
+        let n = w.groups();
+        if n == 0 {
             continue;
         }
-        let n_tasks = if parallel {
-            (4 * pool.threads()).min(groups)
-        } else {
-            1
-        };
-        let per_task = groups.div_ceil(n_tasks);
         let out = if buf.is_empty() {
             Out {
                 ptr: y,
                 ld: w.rows,
-                groups,
+                groups: n,
             }
         } else {
             Out {
                 ptr: buf.as_mut_ptr(),
-                ld: groups * GROUP,
-                groups,
+                ld: n * GROUP,
+                groups: n,
             }
         };
         parts.push(Part {
             w,
-            per_task,
-            first: tasks,
+            first: groups,
             out,
         });
-        tasks += groups.div_ceil(per_task);
+        groups += n;
+        min_groups = min_groups.max(MIN_TASK_BYTES.div_ceil(w.bytes() / n));
     }
-    pool.run(tasks, &|t| {
-        let p = &parts[parts.partition_point(|p| p.first <= t) - 1];
-        let g0 = (t - p.first) * p.per_task;
-        let groups = p.per_task.min(p.out.groups - g0);
-        // SAFETY: task t writes groups g0 .. g0 + groups of every row, which no other task touches.
-        let out = Out {
-            ptr: unsafe { p.out.at(g0, 0) },
-            groups,
-            ..p.out
-        };
-        task(a, p.w, g0, out)
-    });
+    // Groups `g0 .. g1` of the job, matrix by matrix.
+    let run = |g0: usize, g1: usize| {
+        for p in &parts {
+            let (lo, hi) = (g0.max(p.first), g1.min(p.first + p.out.groups));
+            if lo >= hi {
+                continue;
+            }
+            let (lo, hi) = (lo - p.first, hi - p.first);
+            // SAFETY: this range writes groups lo .. hi of the matrix, which no other range touches.
+            let out = Out {
+                ptr: unsafe { p.out.at(lo, 0) },
+                groups: hi - lo,
+                ..p.out
+            };
+            task(a, p.w, lo, out)
+        }
+    };
+    if !parallel {
+        run(0, groups);
+    } else {
+        pool.run_ranges(groups, min_groups, &run);
+    }
     for ((w, &y), buf) in ws.iter().zip(ys).zip(&bufs) {
         if buf.is_empty() {
             continue;
@@ -2226,25 +2236,39 @@ mod tests {
 
     #[test]
     fn shared_input_products_equal_separate_ones() -> Result<()> {
-        // A layer's q/k/v shapes (one with a partial group), several row counts, 1 and 2 threads.
+        // A layer's q/k/v shapes (with partial groups), several row counts, 1 to 3 threads: small
+        // matrices that run on one thread, and larger ones whose job is split into ranges of groups
+        // that cross from one matrix into the next.
         let mut rng = StdRng::seed_from_u64(31);
-        let k = 96;
-        let ws: Vec<PackedMatrix> = [
+        let small = [
             (PackedFormat::Q8_0, 80),
             (PackedFormat::Q4_1, 40),
             (PackedFormat::Q4_0, 8),
-        ]
-        .into_iter()
-        .map(|(f, n)| random_packed(&mut rng, f, n, k))
-        .collect();
-        let refs: Vec<&PackedMatrix> = ws.iter().collect();
-        for m in [1, 3, 9] {
-            let x = Tensor::from_vec(random_x(&mut rng, m * k), (m, k), &Device::Cpu)?;
-            for threads in [1, 2] {
-                let many = with_threads(threads, || linear_q8_many(&x, &refs))?;
-                for (w, y) in ws.iter().zip(&many) {
-                    let alone = linear_q8(&x, w)?.flatten_all()?.to_vec1::<f32>()?;
-                    assert!(same_bits(&y.flatten_all()?.to_vec1::<f32>()?, &alone), "m {m}");
+        ];
+        let large = [
+            (PackedFormat::Q8_0, 400),
+            (PackedFormat::Q4K, 136),
+            (PackedFormat::Q6K, 40),
+        ];
+        const { assert!(576 * 512 >= PAR_MIN_WORK) };
+        for (k, shapes) in [(96, small), (512, large)] {
+            let ws: Vec<PackedMatrix> = shapes
+                .into_iter()
+                .map(|(f, n)| random_packed(&mut rng, f, n, k))
+                .collect();
+            let refs: Vec<&PackedMatrix> = ws.iter().collect();
+            for m in [1, 3, 9] {
+                let x = Tensor::from_vec(random_x(&mut rng, m * k), (m, k), &Device::Cpu)?;
+                for threads in [1, 2, 3] {
+                    let many = with_threads(threads, || linear_q8_many(&x, &refs))?;
+                    for (w, y) in ws.iter().zip(&many) {
+                        let alone = with_threads(1, || linear_q8(&x, w))?;
+                        let alone = alone.flatten_all()?.to_vec1::<f32>()?;
+                        assert!(
+                            same_bits(&y.flatten_all()?.to_vec1::<f32>()?, &alone),
+                            "k {k}, m {m}, {threads} threads"
+                        );
+                    }
                 }
             }
         }
