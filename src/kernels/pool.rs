@@ -184,7 +184,9 @@ impl Pool {
     /// so the ranges start large and shrink as the threads meet: a thread that ran slower for a while
     /// (another process on its core) leaves the other at most a small range to wait for at the end,
     /// where equal tasks left it up to a whole one (a matrix product's eighth). On one thread, or with
-    /// at most `min` units, one range `0..units`.
+    /// at most `min` units, one range `0..units`. The cut depends on timing, so `f` must compute the
+    /// same results however `0..units` is cut (a product's groups do:
+    /// `q8matmul::tests::any_cut_into_ranges_gives_the_same_bits`).
     pub fn run_ranges(&self, units: usize, min: usize, f: &(dyn Fn(usize, usize) + Sync)) {
         let sizes = Chunks {
             min: min.max(1),

@@ -972,6 +972,23 @@ impl Out {
 /// One task: groups `g0 .. g0 + out.groups` for every row.
 type TaskFn = fn(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out);
 
+/// The variant's task.
+///
+/// # Panics
+/// If the variant is not implemented.
+fn task_of(isa: Isa) -> TaskFn {
+    match isa {
+        Isa::Portable => portable::task,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::task,
+        #[cfg(target_arch = "x86_64")]
+        Isa::AvxVnni => avxvnni::task,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Vnni => avx512vnni::task,
+        _ => panic!("matmul_q8 has no {isa:?} variant"),
+    }
+}
+
 /// The product of already quantised rows (`y`: [a.rows, n]).
 pub fn matmul_quantized_with(isa: Isa, a: &QuantRows, w: &PackedMatrix, y: &mut [f32]) {
     matmul_quantized_many(isa, a, &[w], &mut [y])
@@ -1022,16 +1039,7 @@ unsafe fn products_into(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: &[*mu
     if m == 0 {
         return;
     }
-    let task: TaskFn = match isa {
-        Isa::Portable => portable::task,
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => avx2::task,
-        #[cfg(target_arch = "x86_64")]
-        Isa::AvxVnni => avxvnni::task,
-        #[cfg(target_arch = "x86_64")]
-        Isa::Avx512Vnni => avx512vnni::task,
-        _ => panic!("matmul_q8 has no {isa:?} variant"),
-    };
+    let task = task_of(isa);
     let pool = super::pool::Pool::global();
     let work: usize = ws.iter().map(|w| m * w.rows * w.cols).sum();
     let parallel = work >= PAR_MIN_WORK;
@@ -2038,6 +2046,56 @@ mod tests {
                     }
                     let y1 = with_threads(1, || product(isa, &x[..m * k], &w, m));
                     assert!(same_bits(&y, &y1), "{isa:?} {format:?} {m} rows: 1 vs 2 threads");
+                }
+            }
+        }
+    }
+
+    /// A product's groups give the same bits however its job is cut into ranges (the pool's claims
+    /// depend on timing): each group alone, in odd and even runs, or all at once, on every variant.
+    #[test]
+    fn any_cut_into_ranges_gives_the_same_bits() {
+        let mut rng = StdRng::seed_from_u64(32);
+        let (groups, k) = (9, 512);
+        let n = groups * GROUP;
+        let cuts: [&[usize]; 4] = [
+            &[0, 9],
+            &[0, 1, 4, 5, 9],
+            &[0, 2, 3, 8, 9],
+            &[0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+        ];
+        for isa in isas() {
+            let task = task_of(isa);
+            for format in FORMATS {
+                let w = random_packed(&mut rng, format, n, k);
+                for m in [1, 3, 8] {
+                    let mut a = QuantRows::default();
+                    quantize_rows_into(&mut a, &random_x(&mut rng, m * k), m, k);
+                    let ys: Vec<Vec<f32>> = cuts
+                        .iter()
+                        .map(|cut| {
+                            let mut y = vec![f32::NAN; m * n];
+                            for r in cut.windows(2) {
+                                let out = Out {
+                                    ptr: y.as_mut_ptr(),
+                                    ld: n,
+                                    groups,
+                                };
+                                // SAFETY: groups r[0] .. r[1] of m rows lie inside y.
+                                let out = Out {
+                                    ptr: unsafe { out.at(r[0], 0) },
+                                    groups: r[1] - r[0],
+                                    ..out
+                                };
+                                task(&a, &w, r[0], out);
+                            }
+                            y
+                        })
+                        .collect();
+                    assert!(ys[0].iter().all(|v| v.is_finite()), "{isa:?} {format:?}");
+                    for (y, cut) in ys.iter().zip(cuts).skip(1) {
+                        assert!(same_bits(y, &ys[0]), "{isa:?} {format:?} {m} rows, cut {cut:?}");
+                    }
                 }
             }
         }
