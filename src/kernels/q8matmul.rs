@@ -1065,7 +1065,7 @@ unsafe fn products_into(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: &[*mu
         .collect();
     let mut parts = Vec::with_capacity(ws.len());
     let mut groups = 0;
-    // The fewest groups a claim takes: MIN_TASK_BYTES of the largest groups' weights.
+    // The fewest groups a claim takes: MIN_TASK_BYTES of weights in the matrix of the smallest groups.
     let mut min_groups = 1;
     for ((w, &y), buf) in ws.iter().zip(ys).zip(bufs.iter_mut()) {
         let n = w.groups();
