@@ -967,6 +967,18 @@ impl Out {
     unsafe fn at(self, gi: usize, r: usize) -> *mut f32 {
         self.ptr.add(r * self.ld + gi * GROUP)
     }
+
+    /// Where groups `lo .. hi` of these go: a task's share.
+    ///
+    /// # Safety
+    /// `lo <= hi <= groups`.
+    unsafe fn groups(self, lo: usize, hi: usize) -> Out {
+        Out {
+            ptr: self.at(lo, 0),
+            groups: hi - lo,
+            ..self
+        }
+    }
 }
 
 /// One task: groups `g0 .. g0 + out.groups` for every row.
@@ -1102,12 +1114,7 @@ unsafe fn products_into(isa: Isa, a: &QuantRows, ws: &[&PackedMatrix], ys: &[*mu
             }
             let (lo, hi) = (lo - p.first, hi - p.first);
             // SAFETY: this range writes groups lo .. hi of the matrix, which no other range touches.
-            let out = Out {
-                ptr: unsafe { p.out.at(lo, 0) },
-                groups: hi - lo,
-                ..p.out
-            };
-            task(a, p.w, lo, out)
+            task(a, p.w, lo, unsafe { p.out.groups(lo, hi) })
         }
     };
     if !parallel {
@@ -2075,19 +2082,14 @@ mod tests {
                         .iter()
                         .map(|cut| {
                             let mut y = vec![f32::NAN; m * n];
+                            let out = Out {
+                                ptr: y.as_mut_ptr(),
+                                ld: n,
+                                groups,
+                            };
                             for r in cut.windows(2) {
-                                let out = Out {
-                                    ptr: y.as_mut_ptr(),
-                                    ld: n,
-                                    groups,
-                                };
                                 // SAFETY: groups r[0] .. r[1] of m rows lie inside y.
-                                let out = Out {
-                                    ptr: unsafe { out.at(r[0], 0) },
-                                    groups: r[1] - r[0],
-                                    ..out
-                                };
-                                task(&a, &w, r[0], out);
+                                task(&a, &w, r[0], unsafe { out.groups(r[0], r[1]) });
                             }
                             y
                         })
