@@ -1,11 +1,16 @@
 """`compare-llamacpp.py --shapes`: probespec against llama.cpp per GGUF file, in interleaved rounds.
 
-For every file and round: plain decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64),
+For every file and round: the machine's read bandwidth (scripts/read-bandwidth.sh, run just before), plain
+decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64),
 the block cost after 256 cached tokens (probespec cost against llama-bench -p 1,4,8,16 -n 0 -d 256), and
 loading (wall time to the first token and peak RSS of probespec --max-new-tokens 1 against
 llama-completion -c 4096 -n 1, both under /usr/bin/time). A round takes every file and every tool in turn,
 so a drift of the machine hits all of them. Files of scripts/real-shapes.sh have random weights: their
 speeds stand for the shape, their text is noise.
+
+Bandwidth used is the file's bytes x tok/s over the read loop of the same round (a decoding step reads every
+weight once; with untied embeddings it reads all but the token embeddings, so the file's size overstates
+it a little), the median over the rounds.
 """
 import json, os, statistics, subprocess, sys, tempfile, time
 
@@ -51,6 +56,16 @@ def timed(cmd, run):
     return wall, rss_kb / 1024, r
 
 
+def read_bandwidth(run_cmd):
+    """GB/s of scripts/read-bandwidth.sh (2 threads unless OMP_NUM_THREADS says), or None where it cannot
+    be built (it needs gcc with OpenMP)."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read-bandwidth.sh")
+    r = subprocess.run([script], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    return float(r.stdout.split(":")[1].split("GB/s")[0])
+
+
 def med(xs):
     return statistics.median(xs) if xs else float("nan")
 
@@ -64,12 +79,15 @@ def run(a, tools, run_cmd, prompt):
     T = str(a.threads)
     bench = os.path.join(tools, "llama-bench")
     completion = os.path.join(tools, "llama-completion")
-    m = {f: {"lc_tps": [], "ps_tps": [], "ps_new": [], "lc_ms": {r: [] for r in ROWS},
+    m = {f: {"read_gbs": [], "lc_tps": [], "ps_tps": [], "ps_new": [], "lc_ms": {r: [] for r in ROWS},
              "ps_ms": {r: [] for r in ROWS}, "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
          for f in files}
     for rnd in range(a.rounds):
         for f in files:
             x = m[f]
+            gbs = read_bandwidth(run_cmd)
+            if gbs is not None:
+                x["read_gbs"].append(gbs)
             # 1. plain decoding
             r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
             x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
@@ -100,13 +118,20 @@ def run(a, tools, run_cmd, prompt):
 
     n = a.rounds
     print(f"\nA. Plain decoding, {NEW_TOKENS} new tokens, {a.threads} threads: tok/s, median of {n} (min-max)\n")
-    print("| file | llama-bench -n 64 | probespec --method ar | ratio |")
-    print("|---|---|---|---|")
+    print("| file | llama-bench -n 64 | probespec --method ar | ratio | read loop GB/s | "
+          "bandwidth used, llama.cpp / probespec |")
+    print("|---|---|---|---|---|---|")
     for f in files:
         x = m[f]
         short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
+        gb = os.path.getsize(f) / 1e9
+        used = "n/a"
+        if len(x["read_gbs"]) == n:
+            lc = med([gb * t / r for t, r in zip(x["lc_tps"], x["read_gbs"])])
+            ps = med([gb * t / r for t, r in zip(x["ps_tps"], x["read_gbs"])])
+            used = f"{lc:.0%} / {ps:.0%}"
         print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
-              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x |")
+              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {spread(x['read_gbs'])} | {used} |")
     print(f"\nB. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
           "and cost(8)/cost(1)\n")
     print("| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |")
