@@ -1,16 +1,17 @@
 """`compare-llamacpp.py --shapes`: probespec against llama.cpp per GGUF file, in interleaved rounds.
 
-For every file and round: the machine's read bandwidth (scripts/read-bandwidth.sh, run just before), plain
-decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64),
+For every file and round: plain decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64,
+each right after a run of the read loop of scripts/read-bandwidth.sh),
 the block cost after 256 cached tokens (probespec cost against llama-bench -p 1,4,8,16 -n 0 -d 256), and
 loading (wall time to the first token and peak RSS of probespec --max-new-tokens 1 against
 llama-completion -c 4096 -n 1, both under /usr/bin/time). A round takes every file and every tool in turn,
 so a drift of the machine hits all of them. Files of scripts/real-shapes.sh have random weights: their
 speeds stand for the shape, their text is noise.
 
-Bandwidth used is the file's bytes x tok/s over the read loop of the same round (a decoding step reads every
-weight once; with untied embeddings it reads all but the token embeddings, so the file's size overstates
-it a little), the median over the rounds.
+Bandwidth used is the file's bytes x tok/s over the read loop run just before that engine's plain decoding
+(the host's read bandwidth moves by a third within minutes here; a decoding step reads every weight once,
+and with untied embeddings all but the token embeddings, so the file's size overstates it a little), the
+median over the rounds.
 """
 import json, os, statistics, subprocess, sys, tempfile, time
 
@@ -79,18 +80,17 @@ def run(a, tools, run_cmd, prompt):
     T = str(a.threads)
     bench = os.path.join(tools, "llama-bench")
     completion = os.path.join(tools, "llama-completion")
-    m = {f: {"read_gbs": [], "lc_tps": [], "ps_tps": [], "ps_new": [], "lc_ms": {r: [] for r in ROWS},
+    m = {f: {"lc_read": [], "ps_read": [], "lc_tps": [], "ps_tps": [], "ps_new": [], "lc_ms": {r: [] for r in ROWS},
              "ps_ms": {r: [] for r in ROWS}, "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
          for f in files}
     for rnd in range(a.rounds):
         for f in files:
             x = m[f]
-            gbs = read_bandwidth(run_cmd)
-            if gbs is not None:
-                x["read_gbs"].append(gbs)
-            # 1. plain decoding
+            # 1. plain decoding, each engine right after a reading of the read bandwidth
+            x["lc_read"].append(read_bandwidth(run_cmd))
             r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
             x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
+            x["ps_read"].append(read_bandwidth(run_cmd))
             r = run_cmd([a.binary, "--model", f, "-t", T, "--json", "--method", "ar", "--no-chat-template",
                          "--max-new-tokens", str(NEW_TOKENS), prompt])
             j = json.loads(r.stdout.strip().splitlines()[-1])
@@ -125,13 +125,14 @@ def run(a, tools, run_cmd, prompt):
         x = m[f]
         short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
         gb = os.path.getsize(f) / 1e9
+        reads = [r for r in x["lc_read"] + x["ps_read"] if r is not None]
         used = "n/a"
-        if len(x["read_gbs"]) == n:
-            lc = med([gb * t / r for t, r in zip(x["lc_tps"], x["read_gbs"])])
-            ps = med([gb * t / r for t, r in zip(x["ps_tps"], x["read_gbs"])])
+        if len(reads) == 2 * n:
+            lc = med([gb * t / r for t, r in zip(x["lc_tps"], x["lc_read"])])
+            ps = med([gb * t / r for t, r in zip(x["ps_tps"], x["ps_read"])])
             used = f"{lc:.0%} / {ps:.0%}"
         print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
-              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {spread(x['read_gbs'])} | {used} |")
+              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {spread(reads)} | {used} |")
     print(f"\nB. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
           "and cost(8)/cost(1)\n")
     print("| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |")
