@@ -57,7 +57,7 @@ def timed(cmd, run):
     return wall, rss_kb / 1024, r
 
 
-def read_bandwidth(run_cmd):
+def read_bandwidth():
     """GB/s of scripts/read-bandwidth.sh (2 threads unless OMP_NUM_THREADS says), or None where it cannot
     be built (it needs gcc with OpenMP)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read-bandwidth.sh")
@@ -80,17 +80,18 @@ def run(a, tools, run_cmd, prompt):
     T = str(a.threads)
     bench = os.path.join(tools, "llama-bench")
     completion = os.path.join(tools, "llama-completion")
-    m = {f: {"lc_read": [], "ps_read": [], "lc_tps": [], "ps_tps": [], "ps_new": [], "lc_ms": {r: [] for r in ROWS},
-             "ps_ms": {r: [] for r in ROWS}, "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
+    m = {f: {"lc_read": [], "ps_read": [], "lc_tps": [], "ps_tps": [], "ps_new": [],
+             "lc_ms": {r: [] for r in ROWS}, "ps_ms": {r: [] for r in ROWS},
+             "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
          for f in files}
     for rnd in range(a.rounds):
         for f in files:
             x = m[f]
             # 1. plain decoding, each engine right after a reading of the read bandwidth
-            x["lc_read"].append(read_bandwidth(run_cmd))
+            x["lc_read"].append(read_bandwidth())
             r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
             x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
-            x["ps_read"].append(read_bandwidth(run_cmd))
+            x["ps_read"].append(read_bandwidth())
             r = run_cmd([a.binary, "--model", f, "-t", T, "--json", "--method", "ar", "--no-chat-template",
                          "--max-new-tokens", str(NEW_TOKENS), prompt])
             j = json.loads(r.stdout.strip().splitlines()[-1])
