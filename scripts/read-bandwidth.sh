@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Prints the machine's read bandwidth with OMP_NUM_THREADS threads (default 2): docs/BENCHMARKS.md's
 # "bandwidth used" is a GGUF file's size x tok/s over this. Needs gcc with OpenMP and an AVX2 or AVX-512 CPU.
+# `read-bandwidth.sh --build FILE` only builds the loop, as FILE, for callers that run it many times
+# (scripts/shapes_table.py, twice per file and round).
 set -euo pipefail
 cd "$(dirname "$0")"
-bin=$(mktemp)
-trap 'rm -f "$bin"' EXIT
 isa=-mavx2
 grep -qw avx512f /proc/cpuinfo && isa=-mavx512f
+if [ "${1:-}" = --build ]; then
+  gcc -O3 "$isa" -fopenmp read-bandwidth.c -o "$2"
+  exit 0
+fi
+bin=$(mktemp)
+trap 'rm -f "$bin"' EXIT
 gcc -O3 "$isa" -fopenmp read-bandwidth.c -o "$bin"
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$bin"

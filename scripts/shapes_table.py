@@ -57,14 +57,22 @@ def timed(cmd, run):
     return wall, rss_kb / 1024, r
 
 
-def read_bandwidth():
-    """GB/s of scripts/read-bandwidth.sh (2 threads unless OMP_NUM_THREADS says), or None where it cannot
-    be built (it needs gcc with OpenMP)."""
+def read_loop(folder):
+    """A function that runs the read loop of scripts/read-bandwidth.sh (built once, into `folder`) and
+    returns its GB/s (2 threads unless OMP_NUM_THREADS says), or None where it cannot be built (it needs
+    gcc with OpenMP)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read-bandwidth.sh")
-    r = subprocess.run([script], capture_output=True, text=True)
-    if r.returncode != 0:
-        return None
-    return float(r.stdout.split(":")[1].split("GB/s")[0])
+    binary = os.path.join(folder, "read-bandwidth")
+    if subprocess.run([script, "--build", binary], capture_output=True).returncode != 0:
+        print("read-bandwidth.sh could not build its loop (gcc with OpenMP?): no bandwidth column",
+              file=sys.stderr)
+        return lambda: None
+
+    def gbs():
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+        out = subprocess.run([binary], capture_output=True, text=True, env=env, check=True).stdout
+        return float(out.split(":")[1].split("GB/s")[0])
+    return gbs
 
 
 def med(xs):
@@ -80,6 +88,8 @@ def run(a, tools, run_cmd, prompt):
     T = str(a.threads)
     bench = os.path.join(tools, "llama-bench")
     completion = os.path.join(tools, "llama-completion")
+    loop_dir = tempfile.TemporaryDirectory()
+    read_bandwidth = read_loop(loop_dir.name)
     m = {f: {"lc_read": [], "ps_read": [], "lc_tps": [], "ps_tps": [], "ps_new": [],
              "lc_ms": {r: [] for r in ROWS}, "ps_ms": {r: [] for r in ROWS},
              "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
@@ -126,14 +136,15 @@ def run(a, tools, run_cmd, prompt):
         x = m[f]
         short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
         gb = os.path.getsize(f) / 1e9
-        reads = [r for r in x["lc_read"] + x["ps_read"] if r is not None]
-        used = "n/a"
-        if len(reads) == 2 * n:
+        reads = x["lc_read"] + x["ps_read"]
+        readings, used = "n/a", "n/a"
+        if None not in reads:
+            readings = spread(reads)
             lc = med([gb * t / r for t, r in zip(x["lc_tps"], x["lc_read"])])
             ps = med([gb * t / r for t, r in zip(x["ps_tps"], x["ps_read"])])
             used = f"{lc:.0%} / {ps:.0%}"
         print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
-              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {spread(reads)} | {used} |")
+              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {readings} | {used} |")
     print(f"\nB. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
           "and cost(8)/cost(1)\n")
     print("| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |")
