@@ -47,6 +47,8 @@ p.add_argument("--tables", default="A,B,C", help="with --shapes, the tables to m
                "B block cost, C loading (A alone for a llama.cpp build that can decode but not take a "
                "prompt)")
 a = p.parse_args()
+if not set(a.tables.split(",")) <= {"A", "B", "C"}:
+    p.error(f"--tables takes some of A, B, C, not {a.tables!r}")
 if a.shapes and "--rounds" not in sys.argv:
     a.rounds = 3
 here = os.path.dirname(os.path.abspath(__file__))
