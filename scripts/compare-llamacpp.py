@@ -21,7 +21,8 @@ plain decoding (`probespec --method ar`, 64 tokens, against `llama-bench -n 64`,
 the read loop of scripts/read-bandwidth.sh, and the share of it each engine used), the block cost after 256
 cached tokens (`probespec cost` against `llama-bench -p 1,4,8,16 -n 0 -d 256`: ms per block and
 cost(8)/cost(1)), and loading (`probespec --max-new-tokens 1` against `llama-completion -c 4096 -n 1`:
-wall time to the first token and peak RSS, read by /usr/bin/time).
+wall time to the first token and peak RSS, read by /usr/bin/time). `--tables A,B,C` names the tables to
+measure (A alone for a llama.cpp build that decodes but cannot take a prompt).
 """
 import argparse, json, os, re, statistics, subprocess, sys
 

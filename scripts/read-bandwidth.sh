@@ -8,10 +8,11 @@ cd "$(dirname "$0")"
 isa=-mavx2
 grep -qw avx512f /proc/cpuinfo && isa=-mavx512f
 if [ "${1:-}" = --build ]; then
-  gcc -O3 "$isa" -fopenmp read-bandwidth.c -o "$2"
-  exit 0
+  bin=$2
+else
+  bin=$(mktemp)
+  trap 'rm -f "$bin"' EXIT
 fi
-bin=$(mktemp)
-trap 'rm -f "$bin"' EXIT
 gcc -O3 "$isa" -fopenmp read-bandwidth.c -o "$bin"
+[ "${1:-}" = --build ] && exit 0
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} "$bin"

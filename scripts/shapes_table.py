@@ -90,7 +90,7 @@ def run(a, tools, run_cmd, prompt):
     bench = os.path.join(tools, "llama-bench")
     completion = os.path.join(tools, "llama-completion")
     loop_dir = tempfile.TemporaryDirectory()
-    read_bandwidth = read_loop(loop_dir.name)
+    read_bandwidth = read_loop(loop_dir.name) if "A" in tables else None
     m = {f: {"lc_read": [], "ps_read": [], "lc_tps": [], "ps_tps": [], "ps_new": [],
              "lc_ms": {r: [] for r in ROWS}, "ps_ms": {r: [] for r in ROWS},
              "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
