@@ -2406,7 +2406,7 @@ mod tests {
             })
             .unwrap_or(vec![1, 8]);
         println!("format n k: ms per call (GB/s) at m = {rows:?}; ns per group-block at m = 1");
-        for (format, n, k) in [
+        let mut shapes = vec![
             (PackedFormat::Q4K, 8192, 2048),
             (PackedFormat::Q4K, 2048, 2048),
             (PackedFormat::Q6K, 2048, 8192),
@@ -2414,7 +2414,22 @@ mod tests {
             (PackedFormat::Q4_0, 8192, 2048),
             (PackedFormat::Q8_0, 8192, 2048),
             (PackedFormat::Q5K, 8192, 2048),
-        ] {
+        ];
+        // SHAPES=512x2048,... times those shapes instead (in every format FORMATS names).
+        if let Ok(list) = std::env::var("SHAPES") {
+            let dims: Vec<(usize, usize)> = list
+                .split(',')
+                .map(|s| {
+                    let (n, k) = s.split_once('x').expect("SHAPES: NxK,...");
+                    (n.parse().expect("SHAPES: N"), k.parse().expect("SHAPES: K"))
+                })
+                .collect();
+            shapes = PackedFormat::ALL
+                .iter()
+                .flat_map(|&f| dims.iter().map(move |&(n, k)| (f, n, k)))
+                .collect();
+        }
+        for (format, n, k) in shapes {
             if !only.is_empty() && !only.split(',').any(|f| format!("{format:?}") == f) {
                 continue;
             }
