@@ -1268,16 +1268,28 @@ const PREFETCH_BLOCKS: usize = 16;
 /// same group of the next tile (`groups` groups on), which is what this stream reads next: the group
 /// right after it is another stream of this tile, already read. Past the matrix's end included
 /// (harmless).
+///
+/// `into_l1`: into L1 instead (`prefetcht0`), for the AVX-512 tiles of 8 rows of the K-quants, which
+/// take long enough over each group-block that lines 16 blocks ahead are not evicted before use, and
+/// whose loads then wait less on L2 (`real_shape_timing`, 2 threads, the Xeon, 3 interleaved rounds, 8
+/// rows: the Q6_K 128256 x 2048 vocabulary 12.86-13.08 -> 11.98-12.32 ms, Q6_K 2048 x 8192 0.95-0.99 ->
+/// 0.90-0.95, Q4_K 8192 x 2048 0.47-0.50 -> 0.43-0.48). Fewer rows lost by it (at 4 rows the
+/// vocabulary 9.7-10.2 -> 10.6-10.8 ms; at one row 8.2-8.6 -> 11.8-11.9), and Q4_0 and Q8_0, whose
+/// two-group tiles would hold 10-17 KB of lines ahead in L1, gained nothing.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize) {
+fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize, into_l1: bool) {
     let ahead = b + PREFETCH_BLOCKS;
     let ahead = if ahead < nb {
         ahead
     } else {
         ahead + (groups - 1) * nb
     };
-    super::prefetch_l2(wg.wrapping_add(ahead * st), st);
+    if into_l1 {
+        super::prefetch_l1(wg.wrapping_add(ahead * st), st);
+    } else {
+        super::prefetch_l2(wg.wrapping_add(ahead * st), st);
+    }
 }
 
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
@@ -1469,7 +1481,7 @@ macro_rules! avx256_variant {
                         });
                     }
                     if fetch {
-                        prefetch_ahead(wg, b, nb, st, 1);
+                        prefetch_ahead(wg, b, nb, st, 1, false);
                     }
                     let q = blk.add(hb);
                     // The activation quads of row r, block b: 8 × 4 bytes.
@@ -1822,7 +1834,7 @@ mod avx512vnni {
             }
             let blk: [*const u8; G] = std::array::from_fn(|j| wg[j].add(b * st));
             for &wg in &wg {
-                prefetch_ahead(wg, b, nb, st, G);
+                prefetch_ahead(wg, b, nb, st, G, R == TILE_ROWS && f.k_quant());
             }
             let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
             let heads: [[__m512; 2]; G] = std::array::from_fn(|j| heads(f, blk[j], sup[j]));
