@@ -1274,8 +1274,8 @@ const PREFETCH_BLOCKS: usize = 16;
 /// whose loads then wait less on L2 (`real_shape_timing`, 2 threads, the Xeon, 3 interleaved rounds, 8
 /// rows: the Q6_K 128256 x 2048 vocabulary 12.86-13.08 -> 11.98-12.32 ms, Q6_K 2048 x 8192 0.95-0.99 ->
 /// 0.90-0.95, Q4_K 8192 x 2048 0.47-0.50 -> 0.43-0.48). Fewer rows lost by it (at 4 rows the
-/// vocabulary 9.7-10.2 -> 10.6-10.8 ms; at one row 8.2-8.6 -> 11.8-11.9), and Q4_0 and Q8_0, whose
-/// two-group tiles would hold 10-17 KB of lines ahead in L1, gained nothing.
+/// vocabulary 9.7-10.2 -> 10.6-10.8 ms; at one row 8.5-8.6 -> 11.8-11.9), and Q4_0 and Q8_0, whose
+/// two-group tiles would hold 9-17 KB of lines ahead in L1, gained nothing.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize, into_l1: bool) {
