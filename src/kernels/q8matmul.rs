@@ -674,6 +674,18 @@ const fn start_slot(f: PackedFormat, half: usize) -> usize {
     }
 }
 
+/// A block's `starts` from its sums `Σq` and `sum_lo` (over its first 16 values), slot by slot as
+/// [`start_slot`] places them. Wrapping: only a NaN block's garbage sums could overflow.
+fn block_starts(sum: i32, sum_lo: i32) -> [i32; 4] {
+    let c = |f| offset(f).wrapping_neg();
+    [
+        c(PackedFormat::Q4_0).wrapping_mul(sum),
+        c(PackedFormat::Q8_0).wrapping_mul(sum),
+        c(PackedFormat::Q6K).wrapping_mul(sum_lo),
+        c(PackedFormat::Q6K).wrapping_mul(sum.wrapping_sub(sum_lo)),
+    ]
+}
+
 /// Adding 1.5·2^23 to an f32 of magnitude below 2^22 rounds it to an integer, ties to even, in the
 /// default rounding mode (the same rule as `round_ties_even`), and leaves that integer in the low bits:
 /// `bits(v + MAGIC) - bits(MAGIC)`. Pure f32 additions and integer subtractions, so the quantisation
@@ -711,6 +723,7 @@ pub fn quantize_rows_into(out: &mut QuantRows, x: &[f32], rows: usize, cols: usi
     out.sum.resize(blocks, 0);
     out.sum_lo.resize(blocks, 0);
     out.s.resize(blocks, 0.0);
+    out.starts.resize(blocks, [0; 4]);
     // Rows split over the kernel pool when there are enough of them (each block is quantised alone,
     // so the split cannot change a value).
     let pool = super::pool::Pool::global();
@@ -725,6 +738,7 @@ pub fn quantize_rows_into(out: &mut QuantRows, x: &[f32], rows: usize, cols: usi
     let sum = super::pool::SharedMut::new(&mut out.sum);
     let sum_lo = super::pool::SharedMut::new(&mut out.sum_lo);
     let sc = super::pool::SharedMut::new(&mut out.s);
+    let starts = super::pool::SharedMut::new(&mut out.starts);
     pool.run(rows.div_ceil(per_task), &|t| {
         let (r0, r1) = (t * per_task, ((t + 1) * per_task).min(rows));
         let (b0, b1) = (r0 * nb, r1 * nb);
@@ -736,20 +750,11 @@ pub fn quantize_rows_into(out: &mut QuantRows, x: &[f32], rows: usize, cols: usi
                 sum: sum.range(b0, b1 - b0),
                 sum_lo: sum_lo.range(b0, b1 - b0),
                 s: sc.range(b0, b1 - b0),
+                starts: starts.range(b0, b1 - b0),
             }
         };
         quantize_blocks_with(&x[r0 * cols..r1 * cols], blocks);
     });
-    out.starts.resize(blocks, [0; 4]);
-    for ((start, &sum), &sum_lo) in out.starts.iter_mut().zip(&out.sum).zip(&out.sum_lo) {
-        let c = |f| offset(f).wrapping_neg();
-        *start = [
-            c(PackedFormat::Q4_0).wrapping_mul(sum),
-            c(PackedFormat::Q8_0).wrapping_mul(sum),
-            c(PackedFormat::Q6K).wrapping_mul(sum_lo),
-            c(PackedFormat::Q6K).wrapping_mul(sum.wrapping_sub(sum_lo)),
-        ];
-    }
 }
 
 /// Rows quantised by one task when a product has at least this many activations (a hand-off costs
@@ -763,6 +768,7 @@ struct Blocks<'a> {
     sum: &'a mut [i32],
     sum_lo: &'a mut [i32],
     s: &'a mut [f32],
+    starts: &'a mut [[i32; 4]],
 }
 
 impl Blocks<'_> {
@@ -770,11 +776,11 @@ impl Blocks<'_> {
     fn fit(&self, x: &[f32]) -> usize {
         let n = x.len() / BLOCK;
         assert!(self.q.len() >= n * BLOCK && self.d.len() >= n && self.s.len() >= n);
-        assert!(self.sum.len() >= n && self.sum_lo.len() >= n);
+        assert!(self.sum.len() >= n && self.sum_lo.len() >= n && self.starts.len() >= n);
         n
     }
 
-    /// Block `i`'s scale and sums, and `s = d · Σq` from them.
+    /// Block `i`'s scale and sums, and `s = d · Σq` and the [`block_starts`] from them.
     ///
     /// # Safety
     /// `i` below [`Blocks::fit`]'s count.
@@ -784,6 +790,7 @@ impl Blocks<'_> {
         *self.sum.get_unchecked_mut(i) = sum;
         *self.sum_lo.get_unchecked_mut(i) = sum_lo;
         *self.s.get_unchecked_mut(i) = d * sum as f32;
+        *self.starts.get_unchecked_mut(i) = block_starts(sum, sum_lo);
     }
 }
 
@@ -916,13 +923,10 @@ fn block_scale(amax: f32) -> (f32, f32) {
 }
 
 #[inline(always)]
-fn quantize_blocks(x: &[f32], out: Blocks) {
+fn quantize_blocks(x: &[f32], mut out: Blocks) {
+    let n = out.fit(x);
     let magic = ROUND_MAGIC.to_bits() as i32;
-    for (i, (xs, qs)) in x
-        .chunks_exact(BLOCK)
-        .zip(out.q.chunks_exact_mut(BLOCK))
-        .enumerate()
-    {
+    for (i, xs) in x.chunks_exact(BLOCK).enumerate() {
         let xs: &[f32; BLOCK] = xs.try_into().unwrap();
         // The largest magnitude as bits: integer order is magnitude order for non-negative floats,
         // and every NaN sorts above infinity.
@@ -937,15 +941,14 @@ fn quantize_blocks(x: &[f32], out: Blocks) {
         for (q, v) in qi.iter_mut().zip(xs) {
             *q = (v * id + ROUND_MAGIC).to_bits() as i32 - magic;
         }
-        for (q, v) in qs.iter_mut().zip(qi) {
+        for (q, v) in out.q[i * BLOCK..][..BLOCK].iter_mut().zip(qi) {
             *q = v as i8;
         }
         let sum_lo: i32 = qi[..16].iter().sum();
         let sum = sum_lo + qi[16..].iter().sum::<i32>();
-        out.d[i] = d;
-        out.sum[i] = sum;
-        out.sum_lo[i] = sum_lo;
-        out.s[i] = d * sum as f32;
+        debug_assert!(i < n);
+        // SAFETY: `i` counts x's blocks, `n` of them, the count `fit` checked the outputs against.
+        unsafe { out.set_block(i, d, sum, sum_lo) };
     }
 }
 
@@ -2303,6 +2306,7 @@ mod tests {
                 vec![0i32; n],
                 vec![0f32; n],
             );
+            let mut starts = vec![[0i32; 4]; n];
             f(
                 &x,
                 Blocks {
@@ -2311,6 +2315,7 @@ mod tests {
                     sum: &mut sum,
                     sum_lo: &mut sum_lo,
                     s: &mut s,
+                    starts: &mut starts,
                 },
             );
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
