@@ -1171,10 +1171,52 @@ pub(crate) fn attention_with(
         return Err(types_error());
     }
     let (_, rows, heads, hd) = q.dims4()?;
-    let (_, keys, kv_heads, vhd) = v.dims4()?;
-    if kv_heads == 0 || heads % kv_heads != 0 || vhd != hd {
+    let (_, _, kv_heads, vhd) = v.dims4()?;
+    if vhd != hd {
         return Err(Error::Msg(format!(
             "attention_f32: {heads} query heads of {hd} over {kv_heads} key/value heads of {vhd}"
+        )));
+    }
+    let q = q.contiguous()?;
+    let (qg, ql) = q.storage_and_layout();
+    let qv = &super::cpu_f32(&qg, ql.start_offset())?[..rows * heads * hd];
+    let out = attention_rows(width, qv, heads, k, v, vis, scale)?;
+    Tensor::from_vec(out, (rows, heads * hd), q.device())
+}
+
+/// [`attention_f32_keys`] on an explicit width for queries `qv` given as `[rows, heads, hd]` values (`hd`
+/// the values' head size): the outputs `[rows, heads · hd]`. What the model's layers on flat buffers
+/// call, without a tensor around the queries or the result.
+///
+/// # Panics
+/// If this CPU lacks `width`.
+pub(crate) fn attention_rows(
+    width: Width,
+    qv: &[f32],
+    heads: usize,
+    k: Keys,
+    v: &Tensor,
+    vis: Visibility,
+    scale: f32,
+) -> Result<Vec<f32>> {
+    assert!(width.available(), "{width:?} attention on a CPU without it");
+    let types_error = || {
+        Error::Msg(format!(
+            "attention_f32 takes f32 queries and f32 keys and values, or transposed bf16 keys with bf16 values (v {:?})",
+            v.dtype()
+        ))
+    };
+    let (_, keys, kv_heads, hd) = v.dims4()?;
+    if heads == 0 || hd == 0 || !qv.len().is_multiple_of(heads * hd) {
+        return Err(Error::Msg(format!(
+            "attention_f32: {} query values for {heads} heads of {hd}",
+            qv.len()
+        )));
+    }
+    let rows = qv.len() / (heads * hd);
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(Error::Msg(format!(
+            "attention_f32: {heads} query heads over {kv_heads} key/value heads"
         )));
     }
     if let Visibility::Additive(m) = vis {
@@ -1185,9 +1227,6 @@ pub(crate) fn attention_with(
             )));
         }
     }
-    let q = q.contiguous()?;
-    let (qg, ql) = q.storage_and_layout();
-    let qv = &super::cpu_f32(&qg, ql.start_offset())?[..rows * heads * hd];
     let (vg, vl) = v.storage_and_layout();
     // Keys and values are read row by row: each [kv_heads, hd] row must be contiguous.
     let row_stride = vl.stride()[1];
@@ -1253,7 +1292,7 @@ pub(crate) fn attention_with(
         }
         _ => return Err(types_error()),
     };
-    Tensor::from_vec(out, (rows, heads * hd), q.device())
+    Ok(out)
 }
 
 /// An attention problem's sizes ([`Problem`]'s).

@@ -167,29 +167,53 @@ pub fn rope_f32(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     if b != 1 || d % 2 != 0 || cos.dims() != [rows, d / 2] || sin.dims() != [rows, d / 2] {
         return Err(shapes_error("rope", &[("x", x), ("cos", cos), ("sin", sin)]));
     }
-    let half = d / 2;
     let mut out = vec![0.0f32; x.elem_count()];
-    super::with_f32(x, |xs| {
-        super::with_f32(cos, |c| {
-            super::with_f32(sin, |s| {
-                for ((xr, yr), (cr, sr)) in xs
-                    .chunks_exact(heads * d)
-                    .zip(out.chunks_exact_mut(heads * d))
-                    .zip(c.chunks_exact(half).zip(s.chunks_exact(half)))
-                {
-                    for (xh, yh) in xr.chunks_exact(d).zip(yr.chunks_exact_mut(d)) {
-                        let (x1, x2) = xh.split_at(half);
-                        let (y1, y2) = yh.split_at_mut(half);
-                        for i in 0..half {
-                            y1[i] = x1[i] * cr[i] - x2[i] * sr[i];
-                            y2[i] = x1[i] * sr[i] + x2[i] * cr[i];
-                        }
-                    }
-                }
-            })
-        })
-    })???;
+    super::with_f32(x, |xs| out.copy_from_slice(xs))?;
+    super::with_f32(cos, |c| {
+        super::with_f32(sin, |s| rope_in_place(&mut out, heads * d, d, c, s))
+    })??;
     Tensor::from_vec(out, x.shape(), x.device())
+}
+
+/// [`rope_f32`] in place on rows of `width` values (heads of `d`) in `x`, row `t` rotated by `cos` and `sin`
+/// rows `t` (`d / 2` values each).
+///
+/// # Panics
+/// If `x` is not whole rows, `d` not even or not a divisor of `width`, or the tables are short.
+pub fn rope_in_place(x: &mut [f32], width: usize, d: usize, cos: &[f32], sin: &[f32]) {
+    let half = d / 2;
+    assert!(
+        d.is_multiple_of(2) && width.is_multiple_of(d) && x.len().is_multiple_of(width),
+        "rope: shapes"
+    );
+    let rows = x.len() / width;
+    assert!(
+        cos.len() >= rows * half && sin.len() >= rows * half,
+        "rope: tables"
+    );
+    for ((xr, cr), sr) in x
+        .chunks_exact_mut(width)
+        .zip(cos.chunks_exact(half))
+        .zip(sin.chunks_exact(half))
+    {
+        for xh in xr.chunks_exact_mut(d) {
+            let (x1, x2) = xh.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * cr[i] - b * sr[i];
+                x2[i] = a * sr[i] + b * cr[i];
+            }
+        }
+    }
+}
+
+/// `a += b`, element by element: a residual connection on flat buffers (the bits of [`add_f32`]).
+///
+/// # Panics
+/// If the lengths differ.
+pub fn add_in_place(a: &mut [f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "add: lengths differ");
+    a.iter_mut().zip(b).for_each(|(x, y)| *x += y);
 }
 
 /// Each row `x` of `xs` (rows of `w.len()`) as `x / sqrt(mean(x²) + eps) · w` into `out`.

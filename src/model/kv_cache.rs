@@ -215,22 +215,47 @@ impl KvCache {
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
-        let len = self.len;
-        let dtype = self.values[layer].dtype();
-        let v = &v.to_dtype(dtype)?;
-        let capacity = self.capacity;
+        let (len, dtype) = (self.len, self.values[layer].dtype());
         match &mut self.keys {
             KeyStore::Rows(keys) => keys[layer].slice_set(&k.to_dtype(dtype)?, 1, len)?,
-            KeyStore::Transposed(t) => crate::kernels::with_f32(&k.to_dtype(DType::F32)?, |k| {
-                t.write(layer, capacity, len, k, |x| x)
-            })?,
-            // Rounded to nearest, ties to even, as candle converts the values.
-            KeyStore::TransposedBf16(t) => crate::kernels::with_f32(&k.to_dtype(DType::F32)?, |k| {
-                t.write(layer, capacity, len, k, half::bf16::from_f32)
-            })?,
+            _ => crate::kernels::with_f32(&k.to_dtype(DType::F32)?, |k| self.write_transposed(layer, k))?,
         }
-        self.values[layer].slice_set(v, 1, len)?;
+        self.values[layer].slice_set(&v.to_dtype(dtype)?, 1, len)?;
         Ok(self.values[layer].narrow(1, 0, len + rows)?)
+    }
+
+    /// [`KvCache::write`] of keys and values given as f32 rows of `kv_heads · head_dim` values: the
+    /// model's layers on flat buffers. The same values written.
+    pub fn write_rows(&mut self, layer: usize, k: &[f32], v: &[f32]) -> Result<Tensor> {
+        let (_, _, heads, hd) = self.values[layer].dims4()?;
+        if k.len() != v.len() || !k.len().is_multiple_of(heads * hd) {
+            bail!(
+                "kv cache write: {} key and {} value numbers for rows of {heads} x {hd}",
+                k.len(),
+                v.len()
+            );
+        }
+        let shape = (1, k.len() / (heads * hd), heads, hd);
+        let rows = |x: &[f32]| Tensor::from_vec(x.to_vec(), shape, &Device::Cpu);
+        if matches!(self.keys, KeyStore::Rows(_)) {
+            return self.write(layer, &rows(k)?, &rows(v)?);
+        }
+        self.ensure_room(shape.1)?;
+        let (len, dtype) = (self.len, self.values[layer].dtype());
+        self.write_transposed(layer, k);
+        self.values[layer].slice_set(&rows(v)?.to_dtype(dtype)?, 1, len)?;
+        Ok(self.values[layer].narrow(1, 0, len + shape.1)?)
+    }
+
+    /// Keys `k` (f32 rows) into transposed keys after the committed rows; nothing for keys kept as rows.
+    fn write_transposed(&mut self, layer: usize, k: &[f32]) {
+        let (len, capacity) = (self.len, self.capacity);
+        match &mut self.keys {
+            KeyStore::Rows(_) => {}
+            KeyStore::Transposed(t) => t.write(layer, capacity, len, k, |x| x),
+            // Rounded to nearest, ties to even, as candle converts the values.
+            KeyStore::TransposedBf16(t) => t.write(layer, capacity, len, k, half::bf16::from_f32),
+        }
     }
 
     /// Layer `layer`'s keys up to the last [`KvCache::write`]: as rows, the whole buffer (the first

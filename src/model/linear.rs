@@ -50,6 +50,15 @@ impl Linear {
         }
     }
 
+    /// The packed matrix of a product with nothing after it (no bias, no output permutation): what the
+    /// layers on flat buffers multiply by directly.
+    pub fn packed(&self) -> Option<&PackedMatrix> {
+        match &self.weight {
+            Weight::Packed(p) if self.bias.is_none() && self.out_perm.is_none() => Some(p),
+            _ => None,
+        }
+    }
+
     pub fn with_out_perm(mut self, perm: Tensor) -> Self {
         self.out_perm = Some(perm);
         self

@@ -6,6 +6,7 @@
 //! and computes logits only for the rows a caller reads. LLaMA and Qwen 3 are one model with switches.
 
 pub mod config;
+mod flat;
 pub mod gguf;
 pub mod kv_cache;
 pub mod linear;
@@ -31,14 +32,33 @@ const HINT_BYTES: usize = 128 << 10;
 pub struct RmsNorm {
     weight: Tensor,
     eps: f32,
+    /// The weight's values when it is an f32 vector on the CPU: what the layers on flat buffers read.
+    values: Option<Vec<f32>>,
 }
 
 impl RmsNorm {
     pub fn new(weight: Tensor, eps: f64) -> Self {
+        let cpu_f32 = weight.device().is_cpu() && weight.dtype() == DType::F32 && weight.rank() == 1;
         RmsNorm {
+            values: cpu_f32.then(|| weight.to_vec1().ok()).flatten(),
             weight,
             eps: eps as f32,
         }
+    }
+
+    /// Each row of `xs` (rows of the weight's length) normalised into `out`, as [`RmsNorm::forward`]
+    /// with the kernels computes it; `None` when the weight is not an f32 vector on the CPU.
+    pub fn rows_into(&self, xs: &[f32], out: &mut Vec<f32>) -> Option<()> {
+        let w = self.values.as_deref()?;
+        out.resize(xs.len(), 0.0);
+        crate::kernels::elementwise::rms_norm_slices_with(
+            crate::kernels::Width::best(),
+            xs,
+            w,
+            self.eps,
+            out,
+        );
+        Some(())
     }
 
     /// Normalises over the last dimension, whatever the leading shape: with probespec's kernel when
@@ -289,14 +309,31 @@ impl Transformer {
             }
         }
         cache.ensure_room(rows)?;
+        let x = if self.flat_layers() {
+            self.forward_flat(x, positions, mask, cache)?
+        } else {
+            self.forward_tensors(x, positions, mask, cache)?
+        };
+        cache.advance(rows);
+        self.lm_head.prefetch_hint(HINT_BYTES);
+        self.norm.forward(&x, self.cpu_kernels())
+    }
+
+    /// The layers one candle tensor per step: every op and device. (`forward` checked the positions
+    /// and the cache's room.)
+    fn forward_tensors(
+        &self,
+        x: &Tensor,
+        positions: &[u32],
+        mask: &BlockMask,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
         let (cos, sin) = self.rope_rows(positions)?;
         let mut x = x.to_dtype(self.dtype)?;
         for (i, layer) in self.layers.iter().enumerate() {
             x = self.layer_forward(layer, i, &x, &cos, &sin, mask, &mut *cache)?;
         }
-        cache.advance(rows);
-        self.lm_head.prefetch_hint(HINT_BYTES);
-        self.norm.forward(&x, self.cpu_kernels())
+        Ok(x)
     }
 
     /// Logits (f32) of the given rows of `hidden`: `[rows.len(), vocab]`.
