@@ -74,10 +74,15 @@ impl<T: Copy + Default> Transposed<T> {
     /// by `to`.
     fn write(&mut self, layer: usize, capacity: usize, at: usize, k: &[f32], to: impl Fn(f32) -> T) {
         let stride = transposed_stride(capacity);
-        for (r, row) in k.chunks_exact(self.kv_heads * self.head_dim).enumerate() {
-            let j = self.key_offset(at + r);
-            for (c, &x) in self.value_starts(stride).zip(row) {
-                self.layers[layer][c + j] = to(x);
+        let (heads, hd) = (self.kv_heads, self.head_dim);
+        let data = &mut self.layers[layer];
+        for (r, row) in k.chunks_exact(heads * hd).enumerate() {
+            for (h, head) in row.chunks_exact(hd).enumerate() {
+                // Value d of the head lies KEY_CHUNK after value d - 1.
+                let first = transposed_key_index(hd, stride, h, 0, at + r);
+                for (d, &x) in head.iter().enumerate() {
+                    data[first + d * KEY_CHUNK] = to(x);
+                }
             }
         }
     }
@@ -236,14 +241,21 @@ impl KvCache {
             );
         }
         let shape = (1, k.len() / (heads * hd), heads, hd);
-        let rows = |x: &[f32]| Tensor::from_vec(x.to_vec(), shape, &Device::Cpu);
+        let rows = |x: &[f32]| Tensor::from_slice(x, shape, &Device::Cpu);
         if matches!(self.keys, KeyStore::Rows(_)) {
             return self.write(layer, &rows(k)?, &rows(v)?);
         }
         self.ensure_room(shape.1)?;
         let (len, dtype) = (self.len, self.values[layer].dtype());
         self.write_transposed(layer, k);
-        self.values[layer].slice_set(&rows(v)?.to_dtype(dtype)?, 1, len)?;
+        let v = if dtype == DType::BF16 {
+            // Rounded as candle converts f32 to bf16 (and as the keys are).
+            let v: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
+            Tensor::from_vec(v, shape, &Device::Cpu)?
+        } else {
+            rows(v)?.to_dtype(dtype)?
+        };
+        self.values[layer].slice_set(&v, 1, len)?;
         Ok(self.values[layer].narrow(1, 0, len + shape.1)?)
     }
 
