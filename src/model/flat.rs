@@ -214,13 +214,14 @@ fn products<const N: usize>(a: &mut QuantRows, x: &[f32], linears: [&Linear; N],
 mod tests {
     use super::*;
     use crate::kernels::{PackedFormat, PackedMatrix};
-    use crate::model::synthetic::shape_config;
+    use crate::model::synthetic::{model_of, shape_config};
     use crate::model::{causal_mask, RmsNorm, Weight};
     use candle_core::quantized::{GgmlDType, QTensor};
     use std::sync::Arc;
 
     /// A small model of `shape`'s kind (Qwen 3's per-head norms, or LLaMA's plain heads) with random
-    /// packed weights in `format` and random norm weights: what the flat layers run.
+    /// packed weights in `format` (the output projection too) and random norm weights: what the flat
+    /// layers run.
     fn packed_model(shape: &str, format: GgmlDType) -> Result<Transformer> {
         let mut c = shape_config(shape)?;
         (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (256, 512, 3, 32);
@@ -230,42 +231,20 @@ mod tests {
             c.vocab_size,
             c.max_position_embeddings,
         ) = (8, 2, 300, 128);
-        let dev = Device::Cpu;
-        let lin = |rows: usize, cols: usize| -> Result<Linear> {
-            let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev)?;
-            let q = QTensor::quantize(&w, format)?;
-            let f = PackedFormat::of_ggml(format).expect("a packed format");
-            let p = PackedMatrix::from_gguf(f, rows, cols, &q.data()?, None)?;
-            Ok(Linear::new(Weight::Packed(Arc::new(p)), None))
-        };
-        let norm = |n: usize| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(
-                (Tensor::rand(0.5f32, 1.5, n, &dev)?).contiguous()?,
-                c.rms_norm_eps,
-            ))
-        };
-        let (d, hd) = (c.hidden_size, c.head_dim);
-        let layers = (0..c.num_layers)
-            .map(|_| {
-                Ok(Layer {
-                    attn_norm: norm(d)?,
-                    q_proj: lin(c.num_heads * hd, d)?,
-                    k_proj: lin(c.num_kv_heads * hd, d)?,
-                    v_proj: lin(c.num_kv_heads * hd, d)?,
-                    o_proj: lin(d, c.num_heads * hd)?,
-                    q_norm: if c.qk_norm() { Some(norm(hd)?) } else { None },
-                    k_norm: if c.qk_norm() { Some(norm(hd)?) } else { None },
-                    mlp_norm: norm(d)?,
-                    gate_proj: lin(c.intermediate_size, d)?,
-                    up_proj: lin(c.intermediate_size, d)?,
-                    down_proj: lin(d, c.intermediate_size)?,
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let embed = Tensor::randn(0f32, 1.0, (c.vocab_size, d), &dev)?;
-        let head = lin(c.vocab_size, d)?;
-        let final_norm = norm(d)?;
-        Transformer::new(c, embed.into(), layers, final_norm, head, None)
+        c.tie_word_embeddings = false;
+        let (dev, eps) = (Device::Cpu, c.rms_norm_eps);
+        model_of(
+            c,
+            |rows, cols| {
+                let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev)?;
+                let q = QTensor::quantize(&w, format)?;
+                let f = PackedFormat::of_ggml(format).expect("a packed format");
+                let p = PackedMatrix::from_gguf(f, rows, cols, &q.data()?, None)?;
+                Ok(Linear::new(Weight::Packed(Arc::new(p)), None))
+            },
+            |n| Ok(RmsNorm::new(Tensor::rand(0.5f32, 1.5, n, &dev)?, eps)),
+            |rows, cols| Ok(Tensor::randn(0f32, 1.0, (rows, cols), &dev)?),
+        )
     }
 
     fn bits(t: &Tensor) -> Vec<u32> {

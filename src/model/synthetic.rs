@@ -93,15 +93,27 @@ pub fn shape_config(name: &str) -> Result<ModelConfig> {
 /// A model of `config`'s shape with weights drawn from N(0, 0.02²) (norm weights 1), created directly on
 /// `device` in `dtype`.
 pub fn random_model(config: ModelConfig, device: &Device, dtype: DType) -> Result<Transformer> {
-    let c = &config;
     let randn = |rows: usize, cols: usize| -> Result<Tensor> {
         Ok(Tensor::randn(0f32, 0.02, (rows, cols), device)?.to_dtype(dtype)?)
     };
-    let lin = |rows: usize, cols: usize| -> Result<Linear> {
-        Ok(Linear::new(Weight::Dense(randn(rows, cols)?), None))
-    };
-    let norm =
-        |n: usize| -> Result<RmsNorm> { Ok(RmsNorm::new(Tensor::ones(n, dtype, device)?, c.rms_norm_eps)) };
+    let eps = config.rms_norm_eps;
+    model_of(
+        config,
+        |rows, cols| Ok(Linear::new(Weight::Dense(randn(rows, cols)?), None)),
+        |n| Ok(RmsNorm::new(Tensor::ones(n, dtype, device)?, eps)),
+        randn,
+    )
+}
+
+/// A model of `config`'s shape from its parts' makers: `lin(rows, cols)` a projection, `norm(n)` an
+/// RMSNorm, `embed(vocab, hidden)` the embedding table (shared with the output projection when tied).
+pub(crate) fn model_of(
+    config: ModelConfig,
+    lin: impl Fn(usize, usize) -> Result<Linear>,
+    norm: impl Fn(usize) -> Result<RmsNorm>,
+    embed: impl Fn(usize, usize) -> Result<Tensor>,
+) -> Result<Transformer> {
+    let c = &config;
     let (d, hd) = (c.hidden_size, c.head_dim);
     let mut layers = Vec::with_capacity(c.num_layers);
     for _ in 0..c.num_layers {
@@ -119,7 +131,7 @@ pub fn random_model(config: ModelConfig, device: &Device, dtype: DType) -> Resul
             down_proj: lin(d, c.intermediate_size)?,
         });
     }
-    let embed = randn(c.vocab_size, d)?;
+    let embed = embed(c.vocab_size, d)?;
     let lm_head = if c.tie_word_embeddings {
         Linear::new(Weight::Dense(embed.clone()), None)
     } else {
