@@ -49,7 +49,7 @@ thread_local! {
 impl Transformer {
     /// Whether [`Transformer::forward`] runs the layers on flat buffers: the CPU kernels, with every
     /// product a packed matrix and every norm an f32 vector (a GGUF file read with 8-bit activations).
-    pub(super) fn flat_layers(&self) -> bool {
+    pub fn flat_layers(&self) -> bool {
         let linear = |l: &Linear| l.packed().is_some();
         self.cpu_kernels()
             && self.layers.iter().all(|l| {
