@@ -24,7 +24,7 @@ cost(8)/cost(1)), and loading (`probespec --max-new-tokens 1` against `llama-com
 wall time to the first token and peak RSS, read by /usr/bin/time). `--tables A,B,C` names the tables to
 measure (A alone for a llama.cpp build that decodes but cannot take a prompt).
 """
-import argparse, json, os, re, statistics, subprocess, sys
+import argparse, json, os, re, statistics, subprocess, sys, time
 
 p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 home = os.environ.get("PROBESPEC_MODEL_DIR") or os.path.join(
@@ -62,6 +62,35 @@ tools = a.tools or subprocess.run([os.path.join(here, "llamacpp-tools.sh")], che
                                   capture_output=True, text=True).stdout.strip().splitlines()[-1]
 T = str(a.threads)
 out = {"model": a.model, "threads": a.threads}
+
+
+def provenance():
+    """What produced the numbers: when, on which CPU, which probespec and which llama.cpp build."""
+    git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD")
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    cpu, flags = "", set()
+    if os.path.isfile("/proc/cpuinfo"):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and not cpu:
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    stamp = os.path.join(os.path.dirname(os.path.abspath(tools)), "amx")
+    return {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": cpu,
+        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}),
+        "probespec_binary": os.path.abspath(a.binary),
+        "repo_commit": commit,
+        "llamacpp_tools": os.path.abspath(tools),
+        # scripts/llamacpp-tools.sh's stamp: whether the build asked for AMX (LLAMACPP_AMX=1).
+        "llamacpp_amx": open(stamp).read().strip() == "1" if os.path.isfile(stamp) else False,
+    }
+
+
+out["provenance"] = provenance()
 
 
 def run(cmd, **kw):
