@@ -1931,21 +1931,38 @@ pub fn linear_q8_many(x: &Tensor, ws: &[&PackedMatrix]) -> Result<Vec<Tensor>> {
             return Err(Error::Msg(format!("linear_q8: x has {k} columns, the weight {kw}")).bt());
         }
     }
+    super::with_f32(x, |xs| with_quantized(xs, m, k, |a| products_of(a, ws)))?
+}
+
+/// `x · Wᵢᵀ` for f32 rows `x` (`[m, k]`, `k` every matrix's width) into `ys[i]` (`[m, n_i]`): `x`
+/// quantised once, one job on the kernel pool, as [`linear_q8_many`] without tensors (the model's
+/// layers on flat buffers).
+///
+/// # Panics
+/// If a length does not match its shape.
+pub fn matmul_q8_many(x: &[f32], m: usize, ws: &[&PackedMatrix], ys: &mut [&mut [f32]]) {
+    let k = ws.first().map_or(0, |w| w.dims().1);
+    with_quantized(x, m, k, |a| matmul_quantized_many(default_isa(), a, ws, ys))
+}
+
+/// `f` of `x` (`[m, k]`) quantised into this thread's kept buffer: a decoding step quantises four
+/// inputs a layer, which would otherwise take fresh vectors each time.
+fn with_quantized<T>(x: &[f32], m: usize, k: usize, f: impl FnOnce(&QuantRows) -> T) -> T {
     thread_local! {
         static ACTIVATIONS: std::cell::RefCell<QuantRows> = Default::default();
     }
     ACTIVATIONS.with_borrow_mut(|a| {
-        super::with_f32(x, |xs| quantize_rows_into(a, xs, m, k))?;
-        let ys = products_of(a, ws);
+        quantize_rows_into(a, x, m, k);
+        let out = f(a);
         // A long prompt's activations are not kept for the one-row steps after it.
         if a.q.capacity() > KEEP_ACTIVATION_BYTES {
             *a = QuantRows::default();
         }
-        ys
+        out
     })
 }
 
-/// The most bytes of quantised activations [`linear_q8_many`] keeps for the next call.
+/// The most bytes of quantised activations [`with_quantized`] keeps for the next call.
 const KEEP_ACTIVATION_BYTES: usize = 1 << 20;
 
 /// The products of quantised rows `a` with `ws`, as tensors.

@@ -11,8 +11,8 @@
 
 use super::{BlockMask, KvCache, Layer, Linear, Transformer};
 use crate::kernels::elementwise::{add_in_place, rope_in_place, swiglu_slices_with};
-use crate::kernels::q8matmul::{default_isa, matmul_quantized_many, quantize_rows_into, QuantRows};
-use crate::kernels::{attention::attention_rows, Keys, Visibility, Width};
+use crate::kernels::q8matmul::matmul_q8_many;
+use crate::kernels::{attention::attention_rows, Visibility, Width};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};
 use std::cell::RefCell;
@@ -36,7 +36,6 @@ struct Buffers {
     sin: Vec<f32>,
     /// The additive mask `[rows, cached + rows]`, when there is one.
     mask: Vec<f32>,
-    activations: QuantRows,
 }
 
 /// The most values a buffer keeps for the next block (one-row steps after a prompt of thousands).
@@ -137,7 +136,6 @@ impl Transformer {
         l.v_proj.prefetch_hint(super::HINT_BYTES);
         norm(&l.attn_norm, &b.x, &mut b.h);
         products(
-            &mut b.activations,
             &b.h,
             [&l.q_proj, &l.k_proj, &l.v_proj],
             [&mut b.q, &mut b.k, &mut b.v],
@@ -154,35 +152,23 @@ impl Transformer {
         rope_in_place(&mut b.q, c.num_heads * hd, hd, &b.cos, &b.sin);
         rope_in_place(&mut b.k, c.num_kv_heads * hd, hd, &b.cos, &b.sin);
         let values = cache.write_rows(layer_idx, &b.k, &b.v)?;
-        // Keys kept as rows: the written ones, which lead the buffer.
-        let written;
-        let keys = match cache.keys(layer_idx) {
-            Keys::Rows(k) => {
-                written = k.narrow(1, 0, values.dim(1)?)?;
-                Keys::Rows(&written)
-            }
-            transposed => transposed,
-        };
+        let mut written = None;
+        let keys = super::written_keys(cache.keys(layer_idx), values.dim(1)?, &mut written)?;
         let vis = match mask {
             BlockMask::Causal => Visibility::Causal { offset: cache.len() },
             BlockMask::Additive(_) => Visibility::Additive(&b.mask),
         };
         let scale = 1.0 / (hd as f32).sqrt();
         let attn = attention_rows(Width::best(), &b.q, c.num_heads, keys, &values, vis, scale)?;
-        products(&mut b.activations, &attn, [&l.o_proj], [&mut b.y]);
+        products(&attn, [&l.o_proj], [&mut b.y]);
         add_in_place(&mut b.x, &b.y);
         l.up_proj.prefetch_hint(super::HINT_BYTES);
         norm(&l.mlp_norm, &b.x, &mut b.h);
-        products(
-            &mut b.activations,
-            &b.h,
-            [&l.gate_proj, &l.up_proj],
-            [&mut b.gate, &mut b.up],
-        );
+        products(&b.h, [&l.gate_proj, &l.up_proj], [&mut b.gate, &mut b.up]);
         l.down_proj.prefetch_hint(super::HINT_BYTES);
         b.h.resize(b.gate.len(), 0.0);
         swiglu_slices_with(Width::best(), &b.gate, &b.up, &mut b.h);
-        products(&mut b.activations, &b.h, [&l.down_proj], [&mut b.y]);
+        products(&b.h, [&l.down_proj], [&mut b.y]);
         add_in_place(&mut b.x, &b.y);
         Ok(())
     }
@@ -194,20 +180,19 @@ fn norm(n: &super::RmsNorm, xs: &[f32], out: &mut Vec<f32>) {
         .expect("the flat layers' norms are f32 vectors");
 }
 
-/// The products of `x`'s rows with the packed matrices of `linears` into `ys` (resized): `x` quantised
-/// once into `a`, one job on the kernel pool, as [`Linear::forward_many`].
-fn products<const N: usize>(a: &mut QuantRows, x: &[f32], linears: [&Linear; N], ys: [&mut Vec<f32>; N]) {
+/// The products of `x`'s rows with the packed matrices of `linears` into `ys` (resized), as
+/// [`Linear::forward_many`]: `x` quantised once, one job on the kernel pool.
+fn products<const N: usize>(x: &[f32], linears: [&Linear; N], ys: [&mut Vec<f32>; N]) {
     let ws: [&crate::kernels::PackedMatrix; N] =
         linears.map(|l| l.packed().expect("the flat layers' products are packed"));
-    let k = ws[0].dims().1;
-    let rows = x.len() / k;
-    quantize_rows_into(a, x, rows, k);
-    let mut ys = ys;
-    for (y, w) in ys.iter_mut().zip(&ws) {
-        y.resize(rows * w.dims().0, 0.0);
-    }
-    let mut outs: Vec<&mut [f32]> = ys.into_iter().map(|y| y.as_mut_slice()).collect();
-    matmul_quantized_many(default_isa(), a, &ws, &mut outs);
+    let rows = x.len() / ws[0].dims().1;
+    let mut outs: Vec<&mut [f32]> = (ys.into_iter().zip(&ws))
+        .map(|(y, w)| {
+            y.resize(rows * w.dims().0, 0.0);
+            y.as_mut_slice()
+        })
+        .collect();
+    matmul_q8_many(x, rows, &ws, &mut outs);
 }
 
 #[cfg(test)]

@@ -218,12 +218,17 @@ impl KvCache {
     /// [`KvCache::advance`], once all layers have written.
     /// Keys and values of another dtype are converted to the cache's.
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        if !matches!(self.keys, KeyStore::Rows(_)) {
+            // Transposed keys (the CPU kernels' cache) are written from f32 rows.
+            let f32s =
+                |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
+            return self.write_rows(layer, &f32s(k)?, &f32s(v)?);
+        }
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
         let (len, dtype) = (self.len, self.values[layer].dtype());
-        match &mut self.keys {
-            KeyStore::Rows(keys) => keys[layer].slice_set(&k.to_dtype(dtype)?, 1, len)?,
-            _ => crate::kernels::with_f32(&k.to_dtype(DType::F32)?, |k| self.write_transposed(layer, k))?,
+        if let KeyStore::Rows(keys) = &mut self.keys {
+            keys[layer].slice_set(&k.to_dtype(dtype)?, 1, len)?;
         }
         self.values[layer].slice_set(&v.to_dtype(dtype)?, 1, len)?;
         Ok(self.values[layer].narrow(1, 0, len + rows)?)
@@ -242,14 +247,16 @@ impl KvCache {
         }
         let shape = (1, k.len() / (heads * hd), heads, hd);
         let rows = |x: &[f32]| Tensor::from_slice(x, shape, &Device::Cpu);
-        if matches!(self.keys, KeyStore::Rows(_)) {
-            return self.write(layer, &rows(k)?, &rows(v)?);
-        }
         self.ensure_room(shape.1)?;
-        let (len, dtype) = (self.len, self.values[layer].dtype());
-        self.write_transposed(layer, k);
+        let (len, capacity, dtype) = (self.len, self.capacity, self.values[layer].dtype());
+        match &mut self.keys {
+            KeyStore::Rows(_) => return self.write(layer, &rows(k)?, &rows(v)?),
+            KeyStore::Transposed(t) => t.write(layer, capacity, len, k, |x| x),
+            // Rounded to nearest, ties to even, as candle converts the values.
+            KeyStore::TransposedBf16(t) => t.write(layer, capacity, len, k, half::bf16::from_f32),
+        }
         let v = if dtype == DType::BF16 {
-            // Rounded as candle converts f32 to bf16 (and as the keys are).
+            // Rounded as the keys are (candle's conversion), without an f32 tensor first.
             let v: Vec<half::bf16> = v.iter().map(|&x| half::bf16::from_f32(x)).collect();
             Tensor::from_vec(v, shape, &Device::Cpu)?
         } else {
@@ -257,17 +264,6 @@ impl KvCache {
         };
         self.values[layer].slice_set(&v, 1, len)?;
         Ok(self.values[layer].narrow(1, 0, len + shape.1)?)
-    }
-
-    /// Keys `k` (f32 rows) into transposed keys after the committed rows; nothing for keys kept as rows.
-    fn write_transposed(&mut self, layer: usize, k: &[f32]) {
-        let (len, capacity) = (self.len, self.capacity);
-        match &mut self.keys {
-            KeyStore::Rows(_) => {}
-            KeyStore::Transposed(t) => t.write(layer, capacity, len, k, |x| x),
-            // Rounded to nearest, ties to even, as candle converts the values.
-            KeyStore::TransposedBf16(t) => t.write(layer, capacity, len, k, half::bf16::from_f32),
-        }
     }
 
     /// Layer `layer`'s keys up to the last [`KvCache::write`]: as rows, the whole buffer (the first

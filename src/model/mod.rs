@@ -461,15 +461,8 @@ impl Transformer {
             // to the dtype.
             use crate::kernels::{attention_f32_keys, Visibility};
             let q32 = q.to_dtype(DType::F32)?;
-            // Rows keys: the written ones, which lead the buffer.
-            let written;
-            let keys = match keys {
-                crate::kernels::Keys::Rows(k) => {
-                    written = k.narrow(1, 0, v.dim(1)?)?;
-                    crate::kernels::Keys::Rows(&written)
-                }
-                transposed => transposed,
-            };
+            let mut written = None;
+            let keys = written_keys(keys, v.dim(1)?, &mut written)?;
             let y = match mask {
                 BlockMask::Causal => {
                     attention_f32_keys(&q32, keys, v, Visibility::Causal { offset: cached }, scale)?
@@ -510,6 +503,19 @@ impl Transformer {
         let y = att.matmul(&v)?; // [heads, rows, hd]
         Ok(y.transpose(0, 1)?.reshape((rows, c.num_heads * c.head_dim))?)
     }
+}
+
+/// The keys a block attends to, of `n` written: transposed ones as the cache keeps them; ones kept as
+/// rows narrowed to the written ones, which lead the buffer (the narrowed view held in `written`).
+fn written_keys<'a>(
+    keys: crate::kernels::Keys<'a>,
+    n: usize,
+    written: &'a mut Option<Tensor>,
+) -> Result<crate::kernels::Keys<'a>> {
+    Ok(match keys {
+        crate::kernels::Keys::Rows(k) => crate::kernels::Keys::Rows(written.insert(k.narrow(1, 0, n)?)),
+        transposed => transposed,
+    })
 }
 
 /// The CPU kernels' KV cache dtype unless asked otherwise: bf16, half the memory of f32 (an 8B model's
