@@ -11,7 +11,9 @@ speeds stand for the shape, their text is noise.
 Bandwidth used is the file's bytes x tok/s over the read loop run just before that engine's plain decoding
 (the host's read bandwidth moves by a third within minutes here; a decoding step reads every weight once,
 and with untied embeddings all but the token embeddings, so the file's size overstates it a little), the
-median over the rounds.
+median over the rounds. The read loop sums an array of the file's size: a file that fits in the last-level
+cache (SmolLM2's 98 MB on a CPU with more L3) stays there between tokens, and its bound is the cache's
+read bandwidth, not memory's.
 """
 import json, os, statistics, subprocess, sys, tempfile, time
 
@@ -58,19 +60,20 @@ def timed(cmd, run):
 
 
 def read_loop(folder):
-    """A function that runs the read loop of scripts/read-bandwidth.sh (built once, into `folder`) and
-    returns its GB/s (2 threads unless OMP_NUM_THREADS says), or None where it cannot be built (it needs
-    gcc with OpenMP)."""
+    """A function of a size in bytes that runs the read loop of scripts/read-bandwidth.sh (built once, into
+    `folder`) over an array of that size and returns its GB/s (2 threads unless OMP_NUM_THREADS says), or
+    None where it cannot be built (it needs gcc with OpenMP)."""
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "read-bandwidth.sh")
     binary = os.path.join(folder, "read-bandwidth")
     if subprocess.run([script, "--build", binary], capture_output=True).returncode != 0:
         print("read-bandwidth.sh could not build its loop (gcc with OpenMP?): no bandwidth column",
               file=sys.stderr)
-        return lambda: None
+        return lambda size: None
 
-    def gbs():
+    def gbs(size):
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-        out = subprocess.run([binary], capture_output=True, text=True, env=env, check=True).stdout
+        mib = str(max(1, -(-size // (1 << 20))))
+        out = subprocess.run([binary, mib], capture_output=True, text=True, env=env, check=True).stdout
         return float(out.split(":")[1].split("GB/s")[0])
     return gbs
 
@@ -100,10 +103,10 @@ def run(a, tools, run_cmd, prompt):
             x = m[f]
             if "A" in tables:
                 # plain decoding, each engine right after a reading of the read bandwidth
-                x["lc_read"].append(read_bandwidth())
+                x["lc_read"].append(read_bandwidth(os.path.getsize(f)))
                 r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", "0", "-n", str(NEW_TOKENS)])
                 x["lc_tps"].append(json.loads(r.stdout)[0]["avg_ts"])
-                x["ps_read"].append(read_bandwidth())
+                x["ps_read"].append(read_bandwidth(os.path.getsize(f)))
                 r = run_cmd([a.binary, "--model", f, "-t", T, "--json", "--method", "ar", "--no-chat-template",
                              "--max-new-tokens", str(NEW_TOKENS), prompt])
                 j = json.loads(r.stdout.strip().splitlines()[-1])
