@@ -1684,6 +1684,18 @@ mod avx512vnni {
         unsafe { with_format_tag!(w.format, F => run::<F>(a, w, g0, out)) }
     }
 
+    /// The most rows at which the AVX-512 Q6_K tiles take two groups at a time (as every other format
+    /// does at any count). On the 2-core Xeon (2026-12-05; `ROWS=1,...,8 FORMATS=Q6K
+    /// SHAPES=2048x8192,128256x2048 COPIES=5 ... real_shape_timing`, 2 threads, two or three alternated
+    /// rounds) two groups against one: the 128256 x 2048 vocabulary streamed from memory at 1 row 7.56-7.76
+    /// ms against 8.08-8.38, at 3 rows 8.25-8.58 against 9.78, at 5 rows 8.68-9.02 against 10.50-10.54, at
+    /// 8 rows 11.41-12.00 against 11.35-11.69; 2048 x 8192 from L3 at 1 row 0.270-0.280 against
+    /// 0.308-0.319, at 5 rows 0.387-0.405 against 0.396-0.442, at 6 rows 0.581-0.604 against 0.444-0.481
+    /// (the registers spilled). Two groups read two streams at once, which keeps more loads in flight. On
+    /// the EPYC Zen 5 (commit 8e86f27) one group had measured faster at 1 and 8 rows; not re-measured
+    /// there since.
+    const Q6K_TWO_GROUPS_ROWS: usize = 5;
+
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         let (m, groups) = (a.rows, out.groups);
@@ -1692,12 +1704,12 @@ mod avx512vnni {
         // rows either way (two groups: 16 integer and 16 f32 accumulators); against 4 rows for two groups,
         // on one thread (q8matmul::tests::timing): 1536 x 576 Q4_1 at 8 rows 54 -> 47 µs, 32 rows 222 ->
         // 162 µs; the 49152 x 576 Q8_0 vocabulary at 8 rows 1.88 -> 1.40 ms.
-        // Q6_K one group at a time: its values take more registers to unpack, and two groups ran slower
-        // (q8matmul::tests::real_shape_timing, 3 interleaved runs: the 128256 x 2048 vocabulary at 1
-        // row 7.45-7.91 -> 7.00-7.07 ms, at 8 rows 14.3-16.0 -> 13.0-15.1 ms).
+        // Q6_K two groups at a time only up to `Q6K_TWO_GROUPS_ROWS` rows: its values take more registers
+        // to unpack, and from 6 rows two groups spill them.
+        let two_groups = F != PackedFormat::Q6K.tag() || m <= Q6K_TWO_GROUPS_ROWS;
         let mut gi = 0;
         while gi < groups {
-            let two = gi + 1 < groups && F != PackedFormat::Q6K.tag();
+            let two = gi + 1 < groups && two_groups;
             let mut r0 = 0;
             while r0 < m {
                 let rows = (m - r0).min(TILE_ROWS);
