@@ -1696,6 +1696,16 @@ mod avx512vnni {
     /// there since.
     const Q6K_TWO_GROUPS_ROWS: usize = 5;
 
+    /// The most rows at which the AVX-512 tiles take four groups at a time (Q6_K, whose values take more
+    /// registers to unpack: one row): four streams of weights at once, which keeps more loads in flight
+    /// where a row's arithmetic is light against its memory. On the 2-core Xeon (2026-12-05; `ROWS=1,2,3,4
+    /// FORMATS=... SHAPES=8192x2048 COPIES=80 ... real_shape_timing`, 2 threads, the weights streamed from
+    /// memory, three alternated rounds) four groups against two at one row: Q4_K 0.336-0.341 ms against
+    /// 0.359-0.367, Q4_0 0.321-0.329 against 0.339-0.343, Q8_0 0.580-0.598 against 0.609-0.624, Q6_K
+    /// 0.492-0.508 against 0.511-0.517; at two rows Q4_K 0.355-0.361 against 0.390-0.393. From the L3
+    /// (`SHAPES=2048x2048 COPIES=6`) at 3-4 rows Q5_K lost 10-15% (the arithmetic weighs more there).
+    const FOUR_GROUPS_ROWS: usize = 2;
+
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         let (m, groups) = (a.rows, out.groups);
@@ -1707,36 +1717,49 @@ mod avx512vnni {
         // Q6_K two groups at a time only up to `Q6K_TWO_GROUPS_ROWS` rows: its values take more registers
         // to unpack, and from 6 rows two groups spill them.
         let two_groups = F != PackedFormat::Q6K.tag() || m <= Q6K_TWO_GROUPS_ROWS;
+        // Four groups at a time at one or two rows (Q6_K: one): see `FOUR_GROUPS_ROWS`.
+        let four_rows = if F == PackedFormat::Q6K.tag() {
+            1
+        } else {
+            FOUR_GROUPS_ROWS
+        };
         let mut gi = 0;
         while gi < groups {
-            let two = gi + 1 < groups && two_groups;
+            let g = if gi + 3 < groups && m <= four_rows {
+                4
+            } else if gi + 1 < groups && two_groups {
+                2
+            } else {
+                1
+            };
             let mut r0 = 0;
             while r0 < m {
                 let rows = (m - r0).min(TILE_ROWS);
                 let at = At {
                     g: g0 + gi,
                     r0,
-                    out: [out.at(gi, r0), out.at((gi + 1).min(groups - 1), r0)],
+                    out: std::array::from_fn(|j| out.at((gi + j).min(groups - 1), r0)),
                     ld: out.ld,
                 };
-                if two {
-                    tile_of::<F, 2>(rows, a, w, at);
-                } else {
-                    tile_of::<F, 1>(rows, a, w, at);
+                match g {
+                    4 if rows == 1 => tile::<F, 4, 1>(a, w, at),
+                    4 => tile::<F, 4, 2>(a, w, at),
+                    2 => tile_of::<F, 2>(rows, a, w, at),
+                    _ => tile_of::<F, 1>(rows, a, w, at),
                 }
                 r0 += rows;
             }
-            gi += if two { 2 } else { 1 };
+            gi += g;
         }
     }
 
     /// Where a tile works: groups from `g`, rows from `r0`; row `r`'s 16 outputs of group `g + j` go
-    /// to `out[j] + r·ld`.
+    /// to `out[j] + r·ld` (for the tile's `G` groups, the first `G` of these).
     #[derive(Clone, Copy)]
     struct At {
         g: usize,
         r0: usize,
-        out: [*mut f32; 2],
+        out: [*mut f32; 4],
         ld: usize,
     }
 
