@@ -5,7 +5,7 @@
 // more L3 than that): `read-bandwidth.sh 96` is the bound of such a model's step.
 //
 // Each thread sums into four independent vector accumulators and reduces them once at its end. A loop that
-// reduced every 64-byte vector to a scalar (about a dozen instructions, four of them shuffles) read 21.8-23.0
+// reduced every 64-byte vector to a scalar (about a dozen instructions, four of them shuffles) read 21.8-23.9
 // GB/s on a 2-core Xeon (AVX-512, 2026-12-05) where four accumulators read 27.5-29.6: with more instructions a line
 // the core keeps fewer loads in flight, and a server core's bandwidth is bound by how many it keeps. Each line
 // is also asked for 16 KiB ahead (`prefetcht0`), which raised both readings there (3 interleaved runs): from
