@@ -179,8 +179,6 @@ fn esp_is_lossless_where_attention_cuts_the_context_into_segments() {
     }
 }
 
-/// The KV cache is bf16 unless asked otherwise, and an f32 one (`--kv-cache f32`) is lossless too: ESP's
-/// trees against plain decoding with the same cache, on a question of each Spec-Bench group.
 /// The default GGUF's layers run on flat buffers (the fast path: every product packed, every norm an
 /// f32 vector); with f32 activations its products are not packed and the tensor path runs.
 #[test]
@@ -189,6 +187,8 @@ fn the_default_model_runs_the_flat_layers() {
     assert!(!smollm2_with(Activations::F32).model.flat_layers());
 }
 
+/// The KV cache is bf16 unless asked otherwise, and an f32 one (`--kv-cache f32`) is lossless too: ESP's
+/// trees against plain decoding with the same cache, on a question of each Spec-Bench group.
 #[test]
 fn the_f32_kv_cache_is_lossless_too() {
     assert_eq!(smollm2().model.kv_dtype(), DType::BF16);

@@ -1159,16 +1159,12 @@ pub(crate) fn attention_with(
     vis: Visibility,
     scale: f32,
 ) -> Result<Tensor> {
-    assert!(width.available(), "{width:?} attention on a CPU without it");
-    let types_error = || {
-        Error::Msg(format!(
+    if q.dtype() != DType::F32 {
+        return Err(Error::Msg(format!(
             "attention_f32 takes f32 queries and f32 keys and values, or transposed bf16 keys with bf16 values (q {:?}, v {:?})",
             q.dtype(),
             v.dtype()
-        ))
-    };
-    if q.dtype() != DType::F32 {
-        return Err(types_error());
+        )));
     }
     let (_, rows, heads, hd) = q.dims4()?;
     let (_, _, kv_heads, vhd) = v.dims4()?;
@@ -1177,10 +1173,9 @@ pub(crate) fn attention_with(
             "attention_f32: {heads} query heads of {hd} over {kv_heads} key/value heads of {vhd}"
         )));
     }
-    let q = q.contiguous()?;
-    let (qg, ql) = q.storage_and_layout();
-    let qv = &super::cpu_f32(&qg, ql.start_offset())?[..rows * heads * hd];
-    let out = attention_rows(width, qv, heads, k, v, vis, scale)?;
+    let out = super::with_f32(q, |qv| {
+        attention_rows(width, &qv[..rows * heads * hd], heads, k, v, vis, scale)
+    })??;
     Tensor::from_vec(out, (rows, heads * hd), q.device())
 }
 

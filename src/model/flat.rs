@@ -186,12 +186,12 @@ fn products<const N: usize>(x: &[f32], linears: [&Linear; N], ys: [&mut Vec<f32>
     let ws: [&crate::kernels::PackedMatrix; N] =
         linears.map(|l| l.packed().expect("the flat layers' products are packed"));
     let rows = x.len() / ws[0].dims().1;
-    let mut outs: Vec<&mut [f32]> = (ys.into_iter().zip(&ws))
-        .map(|(y, w)| {
-            y.resize(rows * w.dims().0, 0.0);
-            y.as_mut_slice()
-        })
-        .collect();
+    let mut i = 0;
+    let mut outs: [&mut [f32]; N] = ys.map(|y| {
+        y.resize(rows * ws[i].dims().0, 0.0);
+        i += 1;
+        y.as_mut_slice()
+    });
     matmul_q8_many(x, rows, &ws, &mut outs);
 }
 

@@ -220,9 +220,11 @@ impl KvCache {
     pub fn write(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<Tensor> {
         if !matches!(self.keys, KeyStore::Rows(_)) {
             // Transposed keys (the CPU kernels' cache) are written from f32 rows.
-            let f32s =
-                |t: &Tensor| -> Result<Vec<f32>> { Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?) };
-            return self.write_rows(layer, &f32s(k)?, &f32s(v)?);
+            let (k, v) = (k.to_dtype(DType::F32)?, v.to_dtype(DType::F32)?);
+            let written = crate::kernels::with_f32(&k, |k| {
+                crate::kernels::with_f32(&v, |v| self.write_rows(layer, k, v))
+            })???;
+            return Ok(written);
         }
         let rows = k.dim(1)?;
         self.ensure_room(rows)?;
