@@ -1295,9 +1295,24 @@ fn prefetch_ahead(wg: *const u8, b: usize, nb: usize, st: usize, groups: usize, 
     }
 }
 
+/// `[f(0), .., f(n - 1)]` written out as a loop: `std::array::from_fn`'s closure is a function of its
+/// own, without the caller's target features, which the compiler may leave out of line (a call per
+/// vector: the 256-bit tiles ran 60% slower for Q8_0 and Q6_K when it did).
+#[cfg(target_arch = "x86_64")]
+macro_rules! each {
+    ($n:expr, |$i:ident| $e:expr) => {{
+        let mut out = [std::mem::zeroed(); $n];
+        for $i in 0..$n {
+            out[$i] = $e;
+        }
+        out
+    }};
+}
+
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
 /// features; only the integer dot product of a chunk differs). A group's 16 outputs are two halves of
-/// 8 lanes. At up to four rows both halves run in one pass over the group's blocks; at more, the
+/// 8 lanes. At up to four rows both halves run in one pass over the group's blocks (at one and two rows
+/// two groups at once: `TWO_GROUPS_ROWS`); at more, the
 /// registers hold one half's sums only, and the halves run one after the other, the second re-reading
 /// the group's weights from L1 / L2. Before, one row ran in two passes too: memory idled through the
 /// second, and a product streamed 22-25 GB/s where a read loop gets 30-37 GB/s (Zen 3, 2 threads;
@@ -1317,10 +1332,29 @@ macro_rules! avx256_variant {
                 unsafe { with_format_tag!(w.format, F => run::<F>(a, w, g0, out)) }
             }
 
+            /// The most rows at which a tile takes two groups at a time (both halves of each: four
+            /// slices): two streams of weights at once, which keeps more loads in flight where a row's
+            /// arithmetic is light against its memory, as the AVX-512 tiles' `FOUR_GROUPS_ROWS`. On the
+            /// 2-core AMX Xeon (2026-12-05, these variants forced with `ISA=Avx2|AvxVnni ROWS=1,2,4,8
+            /// SHAPES=8192x2048 COPIES=80 ... real_shape_timing`, 2 threads, streamed from memory, two
+            /// alternated rounds against one group), one row, AVX-VNNI / AVX2: Q4_K 0.438-0.440 ->
+            /// 0.380 / 0.452-0.455 -> 0.384-0.394 ms, Q8_0 0.662-0.677 -> 0.618-0.623 / 0.738-0.739 ->
+            /// 0.702-0.726, Q6_K 0.657-0.660 -> 0.559-0.567 / 0.671 -> 0.595-0.597; two rows Q4_K
+            /// 0.470-0.479 -> 0.400-0.405 / 0.493-0.496 -> 0.416-0.420, Q8_0 0.710-0.714 -> 0.666-0.673
+            /// / 0.847-0.854 -> 0.726-0.740. From the L3 (`SHAPES=2048x2048,1536x576 COPIES=6`) within
+            /// noise at one and two rows; at three and four rows two groups lost 10-30% there (Q4_0,
+            /// Q4_1, Q4_K), so two rows at most. Not yet measured on an AVX2-only CPU.
+            const TWO_GROUPS_ROWS: usize = 2;
+
+            /// [`TWO_GROUPS_ROWS`] for Q6_K without VNNI, whose paired `maddubs` take more registers:
+            /// at two rows two groups lost (8192 x 2048 0.72 -> 0.81 ms, as above).
+            const AVX2_Q6K_TWO_GROUPS_ROWS: usize = 1;
+
             #[target_feature(enable = $features)]
             unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
-                let m = a.rows;
-                for gi in 0..out.groups {
+                let (m, groups) = (a.rows, out.groups);
+                let mut gi = 0;
+                while gi < groups {
                     let g = g0 + gi;
                     if m <= 4 {
                         // Both halves in one pass: each activation broadcast feeds both, and the
@@ -1331,13 +1365,45 @@ macro_rules! avx256_variant {
                         // 50.5-54.6, SmolLM2 Q4_1 cost(4) 7.4-8.1 -> 6.4-6.6; the Q4_0 and Q4_K files
                         // unchanged). At eight rows, tiles of four in one pass were as fast for Q8_0
                         // and 10-20% slower for Q4_K: the two-pass tiles of eight stay.
-                        let o = (out.at(gi, 0), out.ld);
-                        match m {
-                            1 => tile::<F, 1, 2>(a, w, g, 0, 0, o, true),
-                            2 => tile::<F, 2, 2>(a, w, g, 0, 0, o, true),
-                            3 => tile::<F, 3, 2>(a, w, g, 0, 0, o, true),
-                            _ => tile::<F, 4, 2>(a, w, g, 0, 0, o, true),
+                        let two_rows = if !$vnni && F == PackedFormat::Q6K.tag() {
+                            AVX2_Q6K_TWO_GROUPS_ROWS
+                        } else {
+                            TWO_GROUPS_ROWS
+                        };
+                        // (`two_rows` is at most 2.)
+                        if m <= two_rows && gi + 1 < groups {
+                            // Two groups at once: see `TWO_GROUPS_ROWS`.
+                            let at = Slices {
+                                group: [g, g, g + 1, g + 1],
+                                half: [0, 1, 0, 1],
+                                out: [0, 1, 2, 3].map(|i| out.at(gi + i / 2, 0).add(8 * (i % 2))),
+                                ld: out.ld,
+                                r0: 0,
+                                streams: 2,
+                            };
+                            if m == 1 {
+                                tile::<F, 1, 4>(a, w, at, true);
+                            } else {
+                                tile::<F, 2, 4>(a, w, at, true);
+                            }
+                            gi += 2;
+                            continue;
                         }
+                        let at = Slices {
+                            group: [g, g],
+                            half: [0, 1],
+                            out: [out.at(gi, 0), out.at(gi, 0).add(8)],
+                            ld: out.ld,
+                            r0: 0,
+                            streams: 1,
+                        };
+                        match m {
+                            1 => tile::<F, 1, 2>(a, w, at, true),
+                            2 => tile::<F, 2, 2>(a, w, at, true),
+                            3 => tile::<F, 3, 2>(a, w, at, true),
+                            _ => tile::<F, 4, 2>(a, w, at, true),
+                        }
+                        gi += 1;
                         continue;
                     }
                     // Q6_K in tiles of 4 rows: it ran slower at 8, where its two heads and unpacking
@@ -1348,26 +1414,47 @@ macro_rules! avx256_variant {
                         let mut r0 = 0;
                         while r0 < m {
                             let rows = (m - r0).min(tile_rows);
-                            let o = (out.at(gi, r0).add(8 * h), out.ld);
+                            let at = Slices {
+                                group: [g],
+                                half: [h],
+                                out: [out.at(gi, r0).add(8 * h)],
+                                ld: out.ld,
+                                r0,
+                                streams: 1,
+                            };
                             // The first pass prefetches; the second finds the group's blocks in L1 / L2.
                             // (Fetching the next group's bytes through both passes, so that memory
                             // streams on through the second, sped up one row but cost 8 rows about 10%:
                             // they are bound by arithmetic here.)
                             let fetch = r0 == 0 && h == 0;
                             match rows {
-                                1 => tile::<F, 1, 1>(a, w, g, h, r0, o, fetch),
-                                2 => tile::<F, 2, 1>(a, w, g, h, r0, o, fetch),
-                                3 => tile::<F, 3, 1>(a, w, g, h, r0, o, fetch),
-                                4 => tile::<F, 4, 1>(a, w, g, h, r0, o, fetch),
-                                5 => tile::<F, 5, 1>(a, w, g, h, r0, o, fetch),
-                                6 => tile::<F, 6, 1>(a, w, g, h, r0, o, fetch),
-                                7 => tile::<F, 7, 1>(a, w, g, h, r0, o, fetch),
-                                _ => tile::<F, 8, 1>(a, w, g, h, r0, o, fetch),
+                                1 => tile::<F, 1, 1>(a, w, at, fetch),
+                                2 => tile::<F, 2, 1>(a, w, at, fetch),
+                                3 => tile::<F, 3, 1>(a, w, at, fetch),
+                                4 => tile::<F, 4, 1>(a, w, at, fetch),
+                                5 => tile::<F, 5, 1>(a, w, at, fetch),
+                                6 => tile::<F, 6, 1>(a, w, at, fetch),
+                                7 => tile::<F, 7, 1>(a, w, at, fetch),
+                                _ => tile::<F, 8, 1>(a, w, at, fetch),
                             }
                             r0 += rows;
                         }
                     }
+                    gi += 1;
                 }
+            }
+
+            /// Where a tile works: `S` slices of 8 lanes, slice `i` lanes `8·half[i] .. + 8` of group
+            /// `group[i]` (a group's slices next to each other), rows from `r0`; row `r`'s outputs of
+            /// slice `i` go to `out[i] + r·ld`. `streams`: the tile's number of groups.
+            #[derive(Clone, Copy)]
+            struct Slices<const S: usize> {
+                group: [usize; S],
+                half: [usize; S],
+                out: [*mut f32; S],
+                ld: usize,
+                r0: usize,
+                streams: usize,
             }
 
             /// Lanes `8h .. 8h + 8` of a K-quant super-block's scales at `sup` as the heads multiply
@@ -1448,21 +1535,19 @@ macro_rules! avx256_variant {
                 _mm256_or_si256(lo, _mm256_and_si256(moved, _mm256_set1_epi8(mask)))
             }
 
-            /// Rows `r0 .. r0 + R` against halves `h0 .. h0 + H` (lanes `8h0 .. 8(h0 + H)`) of group `g`;
-            /// row `r`'s outputs go to `out.0 + r·out.1`, 8 per half. `fetch`: prefetch the blocks
-            /// ahead (a pass that reads them from memory).
+            /// Rows `at.r0 .. + R` against the tile's `S` slices (see [`Slices`]). `fetch`: prefetch the
+            /// blocks ahead (a pass that reads them from memory). Every output sees the same operations
+            /// in the same order whatever `S` and `R`.
             #[target_feature(enable = $features)]
             #[inline]
-            #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-            unsafe fn tile<const F: u8, const R: usize, const H: usize>(
+            #[allow(clippy::needless_range_loop)]
+            unsafe fn tile<const F: u8, const R: usize, const S: usize>(
                 a: &QuantRows,
                 w: &PackedMatrix,
-                g: usize,
-                h0: usize,
-                r0: usize,
-                out: (*mut f32, usize),
+                at: Slices<S>,
                 fetch: bool,
             ) {
+                let Slices { group, half: hs, out, ld, r0, streams } = at;
                 let f = PackedFormat::from_tag(F);
                 let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
                 // Q8_0 without VNNI sums w·x directly (see `dot_bytes`).
@@ -1471,38 +1556,39 @@ macro_rules! avx256_variant {
                 } else {
                     offset(f)
                 };
-                let mut acc = [[_mm256_setzero_ps(); R]; H];
-                let wg = w.data.as_ptr().add(g * nb * st);
-                let sg = w.supers.as_ptr().add(g * (nb / SUPER) * super_bytes(f));
+                let mut acc = [[_mm256_setzero_ps(); R]; S];
+                let wg: [*const u8; S] = std::array::from_fn(|i| w.data.as_ptr().add(group[i] * nb * st));
+                let sb = super_bytes(f);
+                let sg: [*const u8; S] =
+                    std::array::from_fn(|i| w.supers.as_ptr().add(group[i] * (nb / SUPER) * sb));
                 let low = _mm256_set1_epi8(15);
-                let mut sup = [[_mm256_setzero_ps(); 2]; H];
+                let mut sup = [[_mm256_setzero_ps(); 2]; S];
                 for b in 0..nb {
-                    let blk = wg.add(b * st);
+                    let blk: [*const u8; S] = std::array::from_fn(|i| wg[i].add(b * st));
                     if f.k_quant() && b % SUPER == 0 {
-                        sup = std::array::from_fn(|i| {
-                            super_scales(f, sg.add(b / SUPER * super_bytes(f)), h0 + i)
-                        });
+                        sup = each!(S, |i| super_scales(f, sg[i].add(b / SUPER * sb), hs[i]));
                     }
                     if fetch {
-                        prefetch_ahead(wg, b, nb, st, 1, false);
+                        // Once per group: its slices share the stream.
+                        for i in 0..S {
+                            if i == 0 || group[i] != group[i - 1] {
+                                prefetch_ahead(wg[i], b, nb, st, streams, false);
+                            }
+                        }
                     }
-                    let q = blk.add(hb);
                     // The activation quads of row r, block b: 8 × 4 bytes.
                     let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
-                    let hd: [[__m256; 2]; H] = std::array::from_fn(|i| heads(f, blk, sup[i], h0 + i));
+                    let hd: [[__m256; 2]; S] = each!(S, |i| heads(f, blk[i], sup[i], hs[i]));
                     // Q6_K's halves are summed and added one after the other (their own scales), so only
                     // one half's sums are live (both spilled registers at 8 rows).
                     for half in 0..if f.split() { 2 } else { 1 } {
-                        let mut isum = [[_mm256_setzero_si256(); R]; H];
+                        let mut isum = [[_mm256_setzero_si256(); R]; S];
                         if f.four_bit() {
                             for t in 0..4 {
-                                let v: [__m256i; H] = std::array::from_fn(|i| {
-                                    _mm256_loadu_si256(q.add(64 * t + 32 * (h0 + i)).cast())
-                                });
-                                let lo: [__m256i; H] = std::array::from_fn(|i| _mm256_and_si256(v[i], low));
-                                let hi: [__m256i; H] = std::array::from_fn(|i| {
-                                    _mm256_and_si256(_mm256_srli_epi16::<4>(v[i]), low)
-                                });
+                                let v: [__m256i; S] =
+                                    each!(S, |i| _mm256_loadu_si256(blk[i].add(hb + 64 * t + 32 * hs[i]).cast()));
+                                let lo: [__m256i; S] = each!(S, |i| _mm256_and_si256(v[i], low));
+                                let hi: [__m256i; S] = each!(S, |i| _mm256_and_si256(_mm256_srli_epi16::<4>(v[i]), low));
                                 add_two_quads(&mut isum, &xq, (lo, t), (hi, t + 4), true);
                             }
                         } else {
@@ -1511,7 +1597,7 @@ macro_rules! avx256_variant {
                             } else {
                                 0..8
                             };
-                            let paired = f == PackedFormat::Q6K || (f == PackedFormat::Q5K && H == 1);
+                            let paired = f == PackedFormat::Q6K || (f == PackedFormat::Q5K && S == 1);
                             if !$vnni && paired {
                                 // Two quads' pair sums added in 16 bits before one widening (Q5_K's
                                 // and Q6_K's values are at most 63: within ±32004), so a quad costs
@@ -1522,16 +1608,16 @@ macro_rules! avx256_variant {
                                 // 4 rows, both halves in registers, went 0.60 -> 0.63, so it keeps
                                 // one widening per quad there.
                                 for t in quads.step_by(2) {
-                                    let u0: [__m256i; H] = std::array::from_fn(|i| quad(f, q, t, h0 + i));
-                                    let u1: [__m256i; H] = std::array::from_fn(|i| quad(f, q, t + 1, h0 + i));
+                                    let u0: [__m256i; S] = each!(S, |i| quad(f, blk[i].add(hb), t, hs[i]));
+                                    let u1: [__m256i; S] = each!(S, |i| quad(f, blk[i].add(hb), t + 1, hs[i]));
                                     add_two_quads(&mut isum, &xq, (u0, t), (u1, t + 1), false);
                                 }
                             } else {
                                 for t in quads {
-                                    let u: [__m256i; H] = std::array::from_fn(|i| quad(f, q, t, h0 + i));
+                                    let u: [__m256i; S] = each!(S, |i| quad(f, blk[i].add(hb), t, hs[i]));
                                     for r in 0..R {
                                         let xv = _mm256_set1_epi32(xq(r).add(t).read_unaligned());
-                                        for i in 0..H {
+                                        for i in 0..S {
                                             isum[i][r] = dot_bytes(isum[i][r], u[i], xv, f == PackedFormat::Q8_0);
                                         }
                                     }
@@ -1547,7 +1633,7 @@ macro_rules! avx256_variant {
                             } else {
                                 0
                             });
-                            for i in 0..H {
+                            for i in 0..S {
                                 let [head0, head1] = hd[i];
                                 let acc_r = &mut acc[i][r];
                                 if f.split() {
@@ -1575,9 +1661,9 @@ macro_rules! avx256_variant {
                         }
                     }
                 }
-                for i in 0..H {
+                for i in 0..S {
                     for r in 0..R {
-                        _mm256_storeu_ps(out.0.add(r * out.1 + 8 * i), acc[i][r]);
+                        _mm256_storeu_ps(out[i].add(r * ld), acc[i][r]);
                     }
                 }
             }
