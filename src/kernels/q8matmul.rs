@@ -1335,19 +1335,19 @@ macro_rules! avx256_variant {
             /// The most rows at which a tile takes two groups at a time (both halves of each: four
             /// slices): two streams of weights at once, which keeps more loads in flight where a row's
             /// arithmetic is light against its memory, as the AVX-512 tiles' `FOUR_GROUPS_ROWS`. On the
-            /// 2-core AMX Xeon (2026-12-05, these variants forced with `ISA=Avx2|AvxVnni ROWS=1,2,4,8
-            /// SHAPES=8192x2048 COPIES=80 ... real_shape_timing`, 2 threads, streamed from memory, two
-            /// alternated rounds against one group), one row, AVX-VNNI / AVX2: Q4_K 0.438-0.440 ->
-            /// 0.380 / 0.452-0.455 -> 0.384-0.394 ms, Q8_0 0.662-0.677 -> 0.618-0.623 / 0.738-0.739 ->
-            /// 0.702-0.726, Q6_K 0.657-0.660 -> 0.559-0.567 / 0.671 -> 0.595-0.597; two rows Q4_K
-            /// 0.470-0.479 -> 0.400-0.405 / 0.493-0.496 -> 0.416-0.420, Q8_0 0.710-0.714 -> 0.666-0.673
-            /// / 0.847-0.854 -> 0.726-0.740. From the L3 (`SHAPES=2048x2048,1536x576 COPIES=6`) within
-            /// noise at one and two rows; at three and four rows two groups lost 10-30% there (Q4_0,
-            /// Q4_1, Q4_K), so two rows at most. Not yet measured on an AVX2-only CPU.
+            /// 2-core AMX Xeon (2026-12-05, these variants forced with `ISA=Avx2|AvxVnni ROWS=1,2,4
+            /// SHAPES=8192x2048 COPIES=80 ... real_shape_timing`, 2 threads, streamed from memory, two to
+            /// four alternated rounds against one group), one row, AVX-VNNI / AVX2: Q4_K 0.466-0.480 ->
+            /// 0.393-0.408 / 0.463-0.495 -> 0.397-0.404 ms, Q8_0 0.649-0.663 -> 0.612-0.616 / 0.720-0.727
+            /// -> 0.700-0.704, Q6_K 0.669-0.685 -> 0.577-0.591 / 0.683-0.713 -> 0.727-0.728 (slower: see
+            /// docs/BENCHMARKS.md, "Two groups at once in the 256-bit tiles"); two rows Q4_K 0.489-0.519
+            /// -> 0.409-0.430 / 0.499-0.535 -> 0.441-0.464. From the L3 (`SHAPES=2048x2048 COPIES=6`)
+            /// at three and four rows two groups lost 10-30% (Q4_0, Q4_1, Q4_K), so two rows at most.
+            /// Not yet measured on an AVX2-only CPU.
             const TWO_GROUPS_ROWS: usize = 2;
 
             /// [`TWO_GROUPS_ROWS`] for Q6_K without VNNI, whose paired `maddubs` take more registers:
-            /// at two rows two groups lost (8192 x 2048 0.72 -> 0.81 ms, as above).
+            /// at two rows two groups lost (8192 x 2048 0.72 -> 0.81 ms in the A/B build).
             const AVX2_Q6K_TWO_GROUPS_ROWS: usize = 1;
 
             #[target_feature(enable = $features)]
@@ -1811,7 +1811,7 @@ mod avx512vnni {
         };
         let mut gi = 0;
         while gi < groups {
-            let g = if gi + 3 < groups && m <= four_rows {
+            let tile_groups = if gi + 3 < groups && m <= four_rows {
                 4
             } else if gi + 1 < groups && two_groups {
                 2
@@ -1827,7 +1827,7 @@ mod avx512vnni {
                     out: std::array::from_fn(|j| out.at((gi + j).min(groups - 1), r0)),
                     ld: out.ld,
                 };
-                match g {
+                match tile_groups {
                     4 if rows == 1 => tile::<F, 4, 1>(a, w, at),
                     4 => tile::<F, 4, 2>(a, w, at),
                     2 => tile_of::<F, 2>(rows, a, w, at),
@@ -1835,7 +1835,7 @@ mod avx512vnni {
                 }
                 r0 += rows;
             }
-            gi += g;
+            gi += tile_groups;
         }
     }
 

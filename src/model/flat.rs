@@ -182,16 +182,14 @@ fn norm(n: &super::RmsNorm, xs: &[f32], out: &mut Vec<f32>) {
 
 /// The products of `x`'s rows with the packed matrices of `linears` into `ys` (resized), as
 /// [`Linear::forward_many`]: `x` quantised once, one job on the kernel pool.
-fn products<const N: usize>(x: &[f32], linears: [&Linear; N], ys: [&mut Vec<f32>; N]) {
+fn products<const N: usize>(x: &[f32], linears: [&Linear; N], mut ys: [&mut Vec<f32>; N]) {
     let ws: [&crate::kernels::PackedMatrix; N] =
         linears.map(|l| l.packed().expect("the flat layers' products are packed"));
     let rows = x.len() / ws[0].dims().1;
-    let mut i = 0;
-    let mut outs: [&mut [f32]; N] = ys.map(|y| {
-        y.resize(rows * ws[i].dims().0, 0.0);
-        i += 1;
-        y.as_mut_slice()
-    });
+    for (y, w) in ys.iter_mut().zip(&ws) {
+        y.resize(rows * w.dims().0, 0.0);
+    }
+    let mut outs: [&mut [f32]; N] = ys.map(|y| y.as_mut_slice());
     matmul_q8_many(x, rows, &ws, &mut outs);
 }
 
