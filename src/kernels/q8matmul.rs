@@ -1344,11 +1344,14 @@ macro_rules! avx256_variant {
             /// -> 0.409-0.430 / 0.499-0.535 -> 0.441-0.464. From the L3 (`SHAPES=2048x2048 COPIES=6`)
             /// at three and four rows two groups lost 10-30% (Q4_0, Q4_1, Q4_K), so two rows at most.
             /// Not yet measured on an AVX2-only CPU.
+            ///
+            /// Without VNNI only the four-bit formats take two groups. Q5_K, Q6_K and Q8_0 unpack or
+            /// sign their bytes in more registers. A two-group Q6_K tile spilled: forced to AVX2 on an
+            /// EPYC Zen 4 (2026-12-05, `ISA=Avx2 ... SHAPES=2048x2048 COPIES=1`, from the caches, three
+            /// alternated rounds) one row took 0.122-0.157 ms against one group's 0.055-0.068. Its
+            /// mere presence in `run` also slowed Q6_K's one-group tiles there (two rows 0.108-0.119
+            /// against 0.083-0.098). Q5_K lost 24-35% at one row.
             const TWO_GROUPS_ROWS: usize = 2;
-
-            /// [`TWO_GROUPS_ROWS`] for Q6_K without VNNI, whose paired `maddubs` take more registers:
-            /// at two rows two groups lost (8192 x 2048 0.72 -> 0.81 ms in the A/B build).
-            const AVX2_Q6K_TWO_GROUPS_ROWS: usize = 1;
 
             #[target_feature(enable = $features)]
             unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
@@ -1365,43 +1368,29 @@ macro_rules! avx256_variant {
                         // 50.5-54.6, SmolLM2 Q4_1 cost(4) 7.4-8.1 -> 6.4-6.6; the Q4_0 and Q4_K files
                         // unchanged). At eight rows, tiles of four in one pass were as fast for Q8_0
                         // and 10-20% slower for Q4_K: the two-pass tiles of eight stay.
-                        let two_rows = if !$vnni && F == PackedFormat::Q6K.tag() {
-                            AVX2_Q6K_TWO_GROUPS_ROWS
-                        } else {
+                        let two_rows = if $vnni || PackedFormat::from_tag(F).four_bit() {
                             TWO_GROUPS_ROWS
+                        } else {
+                            0
                         };
                         // (`two_rows` is at most 2.)
                         if m <= two_rows && gi + 1 < groups {
                             // Two groups at once: see `TWO_GROUPS_ROWS`.
-                            let at = Slices {
-                                group: [g, g, g + 1, g + 1],
-                                half: [0, 1, 0, 1],
-                                out: [0, 1, 2, 3].map(|i| out.at(gi + i / 2, 0).add(8 * (i % 2))),
-                                ld: out.ld,
-                                r0: 0,
-                                streams: 2,
-                            };
+                            let o = [out.at(gi, 0), out.at(gi + 1, 0)];
                             if m == 1 {
-                                tile::<F, 1, 4>(a, w, at, true);
+                                tile::<F, 1, 4, 2>(a, w, g, 0, 0, o, out.ld, true);
                             } else {
-                                tile::<F, 2, 4>(a, w, at, true);
+                                tile::<F, 2, 4, 2>(a, w, g, 0, 0, o, out.ld, true);
                             }
                             gi += 2;
                             continue;
                         }
-                        let at = Slices {
-                            group: [g, g],
-                            half: [0, 1],
-                            out: [out.at(gi, 0), out.at(gi, 0).add(8)],
-                            ld: out.ld,
-                            r0: 0,
-                            streams: 1,
-                        };
+                        let o = [out.at(gi, 0)];
                         match m {
-                            1 => tile::<F, 1, 2>(a, w, at, true),
-                            2 => tile::<F, 2, 2>(a, w, at, true),
-                            3 => tile::<F, 3, 2>(a, w, at, true),
-                            _ => tile::<F, 4, 2>(a, w, at, true),
+                            1 => tile::<F, 1, 2, 1>(a, w, g, 0, 0, o, out.ld, true),
+                            2 => tile::<F, 2, 2, 1>(a, w, g, 0, 0, o, out.ld, true),
+                            3 => tile::<F, 3, 2, 1>(a, w, g, 0, 0, o, out.ld, true),
+                            _ => tile::<F, 4, 2, 1>(a, w, g, 0, 0, o, out.ld, true),
                         }
                         gi += 1;
                         continue;
@@ -1414,47 +1403,27 @@ macro_rules! avx256_variant {
                         let mut r0 = 0;
                         while r0 < m {
                             let rows = (m - r0).min(tile_rows);
-                            let at = Slices {
-                                group: [g],
-                                half: [h],
-                                out: [out.at(gi, r0).add(8 * h)],
-                                ld: out.ld,
-                                r0,
-                                streams: 1,
-                            };
+                            let o = [out.at(gi, r0).add(8 * h)];
                             // The first pass prefetches; the second finds the group's blocks in L1 / L2.
                             // (Fetching the next group's bytes through both passes, so that memory
                             // streams on through the second, sped up one row but cost 8 rows about 10%:
                             // they are bound by arithmetic here.)
                             let fetch = r0 == 0 && h == 0;
                             match rows {
-                                1 => tile::<F, 1, 1>(a, w, at, fetch),
-                                2 => tile::<F, 2, 1>(a, w, at, fetch),
-                                3 => tile::<F, 3, 1>(a, w, at, fetch),
-                                4 => tile::<F, 4, 1>(a, w, at, fetch),
-                                5 => tile::<F, 5, 1>(a, w, at, fetch),
-                                6 => tile::<F, 6, 1>(a, w, at, fetch),
-                                7 => tile::<F, 7, 1>(a, w, at, fetch),
-                                _ => tile::<F, 8, 1>(a, w, at, fetch),
+                                1 => tile::<F, 1, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                2 => tile::<F, 2, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                3 => tile::<F, 3, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                4 => tile::<F, 4, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                5 => tile::<F, 5, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                6 => tile::<F, 6, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                7 => tile::<F, 7, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
+                                _ => tile::<F, 8, 1, 1>(a, w, g, h, r0, o, out.ld, fetch),
                             }
                             r0 += rows;
                         }
                     }
                     gi += 1;
                 }
-            }
-
-            /// Where a tile works: `S` slices of 8 lanes, slice `i` lanes `8·half[i] .. + 8` of group
-            /// `group[i]` (a group's slices next to each other), rows from `r0`; row `r`'s outputs of
-            /// slice `i` go to `out[i] + r·ld`. `streams`: the tile's number of groups.
-            #[derive(Clone, Copy)]
-            struct Slices<const S: usize> {
-                group: [usize; S],
-                half: [usize; S],
-                out: [*mut f32; S],
-                ld: usize,
-                r0: usize,
-                streams: usize,
             }
 
             /// Lanes `8h .. 8h + 8` of a K-quant super-block's scales at `sup` as the heads multiply
@@ -1535,19 +1504,30 @@ macro_rules! avx256_variant {
                 _mm256_or_si256(lo, _mm256_and_si256(moved, _mm256_set1_epi8(mask)))
             }
 
-            /// Rows `at.r0 .. + R` against the tile's `S` slices (see [`Slices`]). `fetch`: prefetch the
-            /// blocks ahead (a pass that reads them from memory). Every output sees the same operations
-            /// in the same order whatever `S` and `R`.
+            /// Rows `r0 .. r0 + R` against `S` slices of 8 lanes: `G` groups from `g`, each in `S / G`
+            /// slices, lanes `8·h0 ..` onwards. Row `r`'s outputs of group `g + j` go to
+            /// `out[j] + r·ld`, from lane `8·h0`. `fetch`: prefetch the blocks ahead (a pass that reads
+            /// them from memory). Every output sees the same operations in the same order whatever `S`, `G`
+            /// and `R`. The layout is derived from `g` and `h0` by compile-time constants. A tile that
+            /// took lists of each slice's group, half and output ran AVX2's Q4_K 13-24% slower at four
+            /// rows (Zen 4, 2048 x 2048 from the caches).
             #[target_feature(enable = $features)]
             #[inline]
             #[allow(clippy::needless_range_loop)]
-            unsafe fn tile<const F: u8, const R: usize, const S: usize>(
+            #[allow(clippy::too_many_arguments)]
+            unsafe fn tile<const F: u8, const R: usize, const S: usize, const G: usize>(
                 a: &QuantRows,
                 w: &PackedMatrix,
-                at: Slices<S>,
+                g: usize,
+                h0: usize,
+                r0: usize,
+                out: [*mut f32; G],
+                ld: usize,
                 fetch: bool,
             ) {
-                let Slices { group, half: hs, out, ld, r0, streams } = at;
+                // Slice `i`: group `g + i / halves`, lanes of half `h0 + i % halves`.
+                let halves = S / G;
+                let hs: [usize; S] = each!(S, |i| h0 + i % halves);
                 let f = PackedFormat::from_tag(F);
                 let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
                 // Q8_0 without VNNI sums w·x directly (see `dot_bytes`).
@@ -1557,23 +1537,22 @@ macro_rules! avx256_variant {
                     offset(f)
                 };
                 let mut acc = [[_mm256_setzero_ps(); R]; S];
-                let wg: [*const u8; S] = std::array::from_fn(|i| w.data.as_ptr().add(group[i] * nb * st));
+                let wg0 = w.data.as_ptr().add(g * nb * st);
+                let wg: [*const u8; S] = each!(S, |i| wg0.add(i / halves * nb * st));
                 let sb = super_bytes(f);
-                let sg: [*const u8; S] =
-                    std::array::from_fn(|i| w.supers.as_ptr().add(group[i] * (nb / SUPER) * sb));
+                let sg0 = w.supers.as_ptr().add(g * (nb / SUPER) * sb);
+                let sg: [*const u8; S] = each!(S, |i| sg0.add(i / halves * (nb / SUPER) * sb));
                 let low = _mm256_set1_epi8(15);
                 let mut sup = [[_mm256_setzero_ps(); 2]; S];
                 for b in 0..nb {
-                    let blk: [*const u8; S] = std::array::from_fn(|i| wg[i].add(b * st));
+                    let blk: [*const u8; S] = each!(S, |i| wg[i].add(b * st));
                     if f.k_quant() && b % SUPER == 0 {
                         sup = each!(S, |i| super_scales(f, sg[i].add(b / SUPER * sb), hs[i]));
                     }
                     if fetch {
                         // Once per group: its slices share the stream.
-                        for i in 0..S {
-                            if i == 0 || group[i] != group[i - 1] {
-                                prefetch_ahead(wg[i], b, nb, st, streams, false);
-                            }
+                        for j in 0..G {
+                            prefetch_ahead(wg[j * halves], b, nb, st, G, false);
                         }
                     }
                     // The activation quads of row r, block b: 8 × 4 bytes.
@@ -1663,7 +1642,7 @@ macro_rules! avx256_variant {
                 }
                 for i in 0..S {
                     for r in 0..R {
-                        _mm256_storeu_ps(out[i].add(r * ld), acc[i][r]);
+                        _mm256_storeu_ps(out[i / halves].add(r * ld + 8 * (i % halves)), acc[i][r]);
                     }
                 }
             }
