@@ -1349,8 +1349,8 @@ macro_rules! avx256_variant {
             /// sign their bytes in more registers. A two-group Q6_K tile spilled: forced to AVX2 on an
             /// EPYC Zen 4 (2026-12-05, `ISA=Avx2 ... SHAPES=2048x2048 COPIES=1`, from the caches, three
             /// alternated rounds) one row took 0.122-0.157 ms against one group's 0.055-0.068. Its
-            /// mere presence in `run` also slowed Q6_K's one-group tiles there (two rows 0.108-0.119
-            /// against 0.083-0.098). Q5_K lost 24-35% at one row.
+            /// mere presence in `run` also slowed Q6_K's one-group tiles there (two rows 0.109-0.119
+            /// against 0.083-0.098). Q5_K lost 24-35% at one row, Q8_0 15%.
             const TWO_GROUPS_ROWS: usize = 2;
 
             #[target_feature(enable = $features)]
