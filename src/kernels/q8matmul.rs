@@ -1312,9 +1312,9 @@ macro_rules! each {
 /// The 256-bit x86 variants, one module per instruction set (the same code under different target
 /// features; only the integer dot product of a chunk differs). A group's 16 outputs are two halves of
 /// 8 lanes. At up to four rows both halves run in one pass over the group's blocks (at one and two rows
-/// two groups at once: `TWO_GROUPS_ROWS`); at more, the
-/// registers hold one half's sums only, and the halves run one after the other, the second re-reading
-/// the group's weights from L1 / L2. Before, one row ran in two passes too: memory idled through the
+/// two groups at once where that measured faster: `TWO_GROUPS_ROWS`); at more, the registers hold one
+/// half's sums only, and the halves run one after the other, the second re-reading the group's weights
+/// from L1 / L2. Before, one row ran in two passes too: memory idled through the
 /// second, and a product streamed 22-25 GB/s where a read loop gets 30-37 GB/s (Zen 3, 2 threads;
 /// `real_shape_timing`, interleaved runs: Q4_K 8192 x 2048 at one row 0.40-0.51 -> 0.32-0.38 ms, the
 /// Q6_K 128256 x 2048 vocabulary 9.0-10.0 -> 5.9-7.2 ms, one run of seven at 11.5 on a busy host).
@@ -1339,8 +1339,8 @@ macro_rules! avx256_variant {
             /// SHAPES=8192x2048 COPIES=80 ... real_shape_timing`, 2 threads, streamed from memory, two to
             /// four alternated rounds against one group), one row, AVX-VNNI / AVX2: Q4_K 0.466-0.480 ->
             /// 0.393-0.408 / 0.463-0.495 -> 0.397-0.404 ms, Q8_0 0.649-0.663 -> 0.612-0.616 / 0.720-0.727
-            /// -> 0.700-0.704, Q6_K 0.669-0.685 -> 0.577-0.591 / 0.683-0.713 -> 0.727-0.728 (slower: see
-            /// docs/BENCHMARKS.md, "Two groups at once in the 256-bit tiles"); two rows Q4_K 0.489-0.519
+            /// -> 0.700-0.704, Q6_K 0.669-0.685 -> 0.577-0.591 / 0.683-0.713 -> 0.727-0.728 (slower: AVX2's
+            /// Q6_K takes one group, below); two rows Q4_K 0.489-0.519
             /// -> 0.409-0.430 / 0.499-0.535 -> 0.441-0.464. From the L3 (`SHAPES=2048x2048 COPIES=6`)
             /// at three and four rows two groups lost 10-30% (Q4_0, Q4_1, Q4_K), so two rows at most.
             /// Not yet measured on an AVX2-only CPU.
@@ -1513,8 +1513,7 @@ macro_rules! avx256_variant {
             /// rows (Zen 4, 2048 x 2048 from the caches).
             #[target_feature(enable = $features)]
             #[inline]
-            #[allow(clippy::needless_range_loop)]
-            #[allow(clippy::too_many_arguments)]
+            #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
             unsafe fn tile<const F: u8, const R: usize, const S: usize, const G: usize>(
                 a: &QuantRows,
                 w: &PackedMatrix,
