@@ -20,6 +20,7 @@ pub mod cuda;
 pub mod elementwise;
 pub mod isa;
 pub mod matmul;
+pub mod pages;
 pub mod pool;
 pub mod q8matmul;
 pub mod qmatmul;

@@ -43,6 +43,7 @@
 //! the kernel pool ([`super::pool`]) spreads over threads; each output is computed by one thread.
 
 use super::isa::Isa;
+use super::pages::HugeBytes;
 use super::qmatmul::{BlockFormat, BlockMatrix, BLOCK};
 use candle_core::{Device, Error, Result, Tensor};
 
@@ -447,8 +448,8 @@ pub struct PackedMatrix {
     format: PackedFormat,
     rows: usize,
     cols: usize,
-    data: Vec<u8>,
-    supers: Vec<u8>,
+    data: HugeBytes,
+    supers: HugeBytes,
 }
 
 impl PackedMatrix {
@@ -512,8 +513,8 @@ impl PackedMatrix {
         let st = stride(f);
         let (ns, sb) = (nb / SUPER, super_bytes(f));
         let groups = rows.div_ceil(GROUP);
-        let mut data = vec![0u8; groups * nb * st];
-        let mut supers = vec![0u8; groups * ns * sb];
+        let mut data = HugeBytes::zeroed(groups * nb * st);
+        let mut supers = HugeBytes::zeroed(groups * ns * sb);
         let pack = |g: usize, gdata: &mut [u8], gsup: &mut [u8]| {
             // Written before anything reads it: a page whose first touch is a read is first mapped to
             // the shared zero page and faults again, with a TLB flush on every core, when written.
