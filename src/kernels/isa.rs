@@ -62,3 +62,27 @@ impl Isa {
             .unwrap_or(Isa::Portable)
     }
 }
+
+/// The CPU's family (base plus extended, as AMD numbers them: 0x19 Zen 3 and Zen 4, 0x1A Zen 5) when
+/// it is an AMD one, for the few kernel settings that were measured to differ by microarchitecture.
+pub(crate) fn amd_family() -> Option<u32> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        static FAMILY: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+        // `cpuid` is part of the x86_64 baseline; `__cpuid` is an unsafe fn in Rust 1.93 and before.
+        #[allow(unused_unsafe)]
+        *FAMILY.get_or_init(|| unsafe {
+            use std::arch::x86_64::__cpuid;
+            let vendor = __cpuid(0);
+            let amd = [vendor.ebx, vendor.edx, vendor.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .eq(*b"AuthenticAMD");
+            let eax = __cpuid(1).eax;
+            let (base, extended) = ((eax >> 8) & 0xF, (eax >> 20) & 0xFF);
+            amd.then_some(if base == 0xF { base + extended } else { base })
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}

@@ -1771,6 +1771,30 @@ mod avx512vnni {
     /// (`SHAPES=2048x2048 COPIES=6`) at 3-4 rows Q5_K lost 10-15% (the arithmetic weighs more there).
     const FOUR_GROUPS_ROWS: usize = 2;
 
+    /// Whether the tiles of `rows` rows of format `f`, `k` columns long, ask for the blocks ahead
+    /// ([`prefetch_ahead`]) on this CPU. On AMD's Zen 4 (family 0x19, the only one of that family with
+    /// AVX-512) the hardware prefetcher alone streams a few rows of long enough groups faster.
+    /// Interleaved call by call with the same products asking 16 blocks ahead (`real_shape_timing` with a
+    /// throwaway switch between the two per call, 2 threads, 40-200 copies streamed, 2026-12-05), without,
+    /// at one row: Q8_0 8192 x 2048 0.337-0.348 ms against 0.383-0.392, 2048 x 6144 0.382 against
+    /// 0.402, 1024 x 2048 0.064 against 0.067, 1024 x 1024 0.035 against 0.035; Q4_K 3072 x 8192 0.268
+    /// against 0.324, 2048 x 6144 0.208 against 0.220, 2560 x 4096 0.178 against 0.186, but 8192 x 2048
+    /// 0.254 against 0.250 and 2048 x 1024 0.044 against 0.038 (short groups: the hardware finds each
+    /// new stream late); Q4_0 and Q4_1 alike. Q8_0 gained up to 4 rows, the four-bit formats up to 2 and
+    /// lost from 3 (Q4_K 8192 x 2048 at 4 rows 0.359 against 0.281); Q5_K and Q6_K lost at one row (Q6_K
+    /// 8192 x 2048 0.351 against 0.309). So on Zen 4 the tiles leave the blocks to the hardware for Q8_0
+    /// up to 4 rows from 2048 columns, and for the four-bit formats up to 2 rows from 4096 columns.
+    /// Elsewhere (Zen 5, the Xeons) the blocks ahead measured as fast or faster: see
+    /// [`PREFETCH_BLOCKS`].
+    fn asks_ahead(f: PackedFormat, rows: usize, k: usize) -> bool {
+        let hardware_alone = match f {
+            PackedFormat::Q8_0 => rows <= 4 && k >= 2048,
+            f if f.four_bit() => rows <= 2 && k >= 4096,
+            _ => false,
+        };
+        !(hardware_alone && super::super::isa::amd_family() == Some(0x19))
+    }
+
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         let (m, groups) = (a.rows, out.groups);
@@ -1788,6 +1812,7 @@ mod avx512vnni {
         } else {
             FOUR_GROUPS_ROWS
         };
+        let fetch = asks_ahead(PackedFormat::from_tag(F), m, a.cols);
         let mut gi = 0;
         while gi < groups {
             let tile_groups = if gi + 3 < groups && m <= four_rows {
@@ -1803,6 +1828,7 @@ mod avx512vnni {
                 let at = At {
                     g: g0 + gi,
                     r0,
+                    fetch,
                     out: std::array::from_fn(|j| out.at((gi + j).min(groups - 1), r0)),
                     ld: out.ld,
                 };
@@ -1819,11 +1845,13 @@ mod avx512vnni {
     }
 
     /// Where a tile works: groups from `g`, rows from `r0`; row `r`'s 16 outputs of group `g + j` go
-    /// to `out[j] + r·ld` (for the tile's `G` groups, the first `G` of these).
+    /// to `out[j] + r·ld` (for the tile's `G` groups, the first `G` of these). `fetch`: ask for the
+    /// blocks ahead ([`asks_ahead`]).
     #[derive(Clone, Copy)]
     struct At {
         g: usize,
         r0: usize,
+        fetch: bool,
         out: [*mut f32; 4],
         ld: usize,
     }
@@ -1921,7 +1949,13 @@ mod avx512vnni {
     #[inline]
     #[allow(clippy::needless_range_loop)] // (row, group) index pairs over several arrays
     unsafe fn tile<const F: u8, const G: usize, const R: usize>(a: &QuantRows, w: &PackedMatrix, at: At) {
-        let At { g, r0, out, ld } = at;
+        let At {
+            g,
+            r0,
+            fetch,
+            out,
+            ld,
+        } = at;
         let f = PackedFormat::from_tag(F);
         let (k, nb, st, hb) = (a.cols, a.cols / BLOCK, stride(f), heads_bytes(f));
         let c = offset(f);
@@ -1936,8 +1970,10 @@ mod avx512vnni {
                 sup = std::array::from_fn(|j| super_scales(f, sg[j].add(b / SUPER * sb)));
             }
             let blk: [*const u8; G] = std::array::from_fn(|j| wg[j].add(b * st));
-            for &wg in &wg {
-                prefetch_ahead(wg, b, nb, st, G, R == TILE_ROWS && f.k_quant());
+            if fetch {
+                for &wg in &wg {
+                    prefetch_ahead(wg, b, nb, st, G, R == TILE_ROWS && f.k_quant());
+                }
             }
             let xq = |r: usize| a.q.as_ptr().add((r0 + r) * k + b * BLOCK).cast::<i32>();
             let heads: [[__m512; 2]; G] = std::array::from_fn(|j| heads(f, blk[j], sup[j]));
