@@ -50,7 +50,7 @@ def label(path):
 
 
 def timed(cmd, run):
-    """Runs cmd under /usr/bin/time: (seconds of wall time, peak RSS in MB, the completed process)."""
+    """Runs cmd under /usr/bin/time: (seconds of wall time, peak RSS in MiB, the completed process)."""
     with tempfile.NamedTemporaryFile("r", suffix=".time") as t:
         t0 = time.perf_counter()
         r = run(["/usr/bin/time", "-f", "%M", "-o", t.name, *cmd])
@@ -178,7 +178,7 @@ def cost_table(files, m, n):
 
 
 def loading_table(files, m, n):
-    print(f"\nC. Loading: wall time to the first token (s) and peak RSS (MB), median of {n} (min-max)\n")
+    print(f"\nC. Loading: wall time to the first token (s) and peak RSS (MiB), median of {n} (min-max)\n")
     print("| file | llama-completion -c 4096 -n 1 | probespec --max-new-tokens 1 | ratio | "
           "RSS llama.cpp | RSS probespec |")
     print("|---|---|---|---|---|---|")
