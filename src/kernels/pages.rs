@@ -3,11 +3,12 @@
 //! Decoding reads every weight once per step, front to back. On 4 KiB pages that is a TLB miss every
 //! 4 KiB of weights, and each miss is a two-dimensional page walk in a virtual machine. Linux backs
 //! anonymous memory with 2 MiB pages only where the program asks (`transparent_hugepage` is `madvise`
-//! on most distributions) and only for whole, aligned 2 MiB ranges, which a plain `Vec` rarely spans
-//! from its start. [`HugeBytes`] maps its own memory with a 2 MiB-aligned start and advises its whole
+//! on most distributions) and only for whole, aligned 2 MiB ranges: a plain `Vec` neither asks nor
+//! starts on one. [`HugeBytes`] maps its own memory with a 2 MiB-aligned start and advises its whole
 //! 2 MiB ranges; the last partial range stays on small pages, so no page is allocated past the data.
-//! Interleaved with the same products on 4 KiB pages, the packed Q4_K and Q6_K products of Qwen3-4B's
-//! shapes took 2.5-4% less time on an EPYC Zen 4 (docs/BENCHMARKS.md).
+//! Interleaved call by call with the same products on 4 KiB pages, the packed products of Qwen3-4B's
+//! shapes took 2-4% less time on an EPYC Zen 4. Loading changed both ways there: a 2 MiB page is
+//! cleared whole at its first touch, which the VM made slow at times (docs/BENCHMARKS.md).
 
 use std::ops::{Deref, DerefMut};
 
