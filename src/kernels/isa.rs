@@ -65,12 +65,11 @@ impl Isa {
 
 /// The CPU's family (base plus extended, as AMD numbers them: 0x19 Zen 3 and Zen 4, 0x1A Zen 5) when
 /// it is an AMD one, for the few kernel settings that were measured to differ by microarchitecture.
+#[allow(unused_unsafe)] // `__cpuid` is an unsafe fn in Rust 1.93 and before (`cpuid` is baseline x86_64)
 pub(crate) fn amd_family() -> Option<u32> {
     #[cfg(target_arch = "x86_64")]
     {
         static FAMILY: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-        // `cpuid` is part of the x86_64 baseline; `__cpuid` is an unsafe fn in Rust 1.93 and before.
-        #[allow(unused_unsafe)]
         *FAMILY.get_or_init(|| unsafe {
             use std::arch::x86_64::__cpuid;
             let vendor = __cpuid(0);

@@ -1784,8 +1784,8 @@ mod avx512vnni {
     /// lost from 3 (Q4_K 8192 x 2048 at 4 rows 0.359 against 0.281); Q5_K and Q6_K lost at one row (Q6_K
     /// 8192 x 2048 0.351 against 0.309). So on Zen 4 the tiles leave the blocks to the hardware for Q8_0
     /// up to 4 rows from 2048 columns, and for the four-bit formats up to 2 rows from 4096 columns.
-    /// Elsewhere (Zen 5, the Xeons) the blocks ahead measured as fast or faster: see
-    /// [`PREFETCH_BLOCKS`].
+    /// Other CPUs keep asking: on Zen 5 going without did no better (see [`PREFETCH_BLOCKS`]); on the
+    /// Xeons going without at few rows has not been timed.
     fn asks_ahead(f: PackedFormat, rows: usize, k: usize) -> bool {
         let hardware_alone = match f {
             PackedFormat::Q8_0 => rows <= 4 && k >= 2048,
