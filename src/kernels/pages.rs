@@ -12,7 +12,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-/// The size of a transparent huge page on x86-64 and of the ranges advised.
+/// The size of a transparent huge page (x86-64, and arm64 on 4 KiB pages) and of the ranges advised.
 const HUGE_PAGE: usize = 2 << 20;
 
 /// Zeroed bytes; those of a buffer of at least [`HUGE_PAGE`] bytes on huge pages where the system
