@@ -2731,6 +2731,85 @@ mod tests {
         print_throughput("vpdpbusd zmm", Isa::Avx512Vnni, chains);
     }
 
+    /// `cargo test --release --lib q8matmul::tests::vnni_sharing -- --ignored --nocapture`: which
+    /// instructions compete with 512-bit `vpdpbusd` for the units it runs on. Each loop keeps 12
+    /// independent chains: 12 `vpdpbusd`, or 8 and 4 of another instruction; it prints nanoseconds per
+    /// iteration. A mix that takes the time of 12 `vpdpbusd` shares their units (so every such
+    /// instruction in a tile costs a `vpdpbusd`'s slot), one that takes the time of 8 runs beside them.
+    /// The f32 step per block (`vmulps`, two `vfmadd`) and an integer scale (`vpmulld`) are the
+    /// candidates that matter; `vcvtdq2ps`, `vpaddd`, `vpandd` and shifts are the others in a tile.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    #[ignore]
+    fn vnni_sharing() {
+        use std::arch::x86_64::*;
+        if !Isa::Avx512Vnni.available() {
+            panic!("this CPU has no AVX-512 VNNI");
+        }
+        // `$dp` `vpdpbusd` chains and 4 more of `$other` (`$i`: an integer chain, `$f`: an f32 one; `$m`
+        // an f32 and `$y` an integer operand).
+        macro_rules! mix {
+            ($name:ident, $dp:literal, |$i:ident, $f:ident, $m:ident, $y:ident| $other:block) => {
+                #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+                unsafe fn $name(n: usize) -> i32 {
+                    let seed = |c: i32| _mm512_set1_epi32(std::hint::black_box(c));
+                    let mut dp: [__m512i; $dp] = std::array::from_fn(|c| seed(c as i32));
+                    let mut ints: [__m512i; 4] = std::array::from_fn(|c| seed(100 + c as i32));
+                    let mut fs: [__m512; 4] = std::array::from_fn(|c| _mm512_set1_ps(1.0 + c as f32));
+                    let (x, $y) = (seed(0x0102_0304), seed(0x0506_0708));
+                    let $m = _mm512_set1_ps(std::hint::black_box(0.999));
+                    for _ in 0..n {
+                        for a in dp.iter_mut() {
+                            *a = _mm512_dpbusd_epi32(*a, x, $y);
+                        }
+                        for c in 0..4 {
+                            let ($i, $f) = (&mut ints[c], &mut fs[c]);
+                            let _ = (&$i, &$f, $m, $y);
+                            $other
+                        }
+                    }
+                    let sum = |v: &[__m512i]| {
+                        v.iter()
+                            .fold(0i32, |s, &a| s.wrapping_add(_mm512_reduce_add_epi32(a)))
+                    };
+                    let fsum: f32 = fs.iter().map(|&v| _mm512_reduce_add_ps(v)).sum();
+                    sum(&dp).wrapping_add(sum(&ints)).wrapping_add(fsum as i32)
+                }
+            };
+        }
+        mix!(dpbusd_12, 12, |i, f, m, y| {});
+        mix!(dpbusd_8, 8, |i, f, m, y| {});
+        mix!(with_fma, 8, |i, f, m, y| { *f = _mm512_fmadd_ps(*f, m, m) });
+        mix!(with_mul, 8, |i, f, m, y| { *f = _mm512_mul_ps(*f, m) });
+        mix!(with_mullo, 8, |i, f, m, y| { *i = _mm512_mullo_epi32(*i, *i) });
+        mix!(with_cvt, 8, |i, f, m, y| {
+            *f = _mm512_cvtepi32_ps(_mm512_castps_si512(*f))
+        });
+        mix!(with_add, 8, |i, f, m, y| { *i = _mm512_add_epi32(*i, *i) });
+        mix!(with_and_shift, 8, |i, f, m, y| {
+            *i = _mm512_srli_epi16::<1>(_mm512_and_si512(*i, y))
+        });
+        let n = 20_000_000;
+        type Chains = unsafe fn(usize) -> i32;
+        let mixes: [(&str, Chains); 8] = [
+            ("12 vpdpbusd", dpbusd_12),
+            ("8 vpdpbusd", dpbusd_8),
+            ("8 vpdpbusd + 4 vfmadd", with_fma),
+            ("8 vpdpbusd + 4 vmulps", with_mul),
+            ("8 vpdpbusd + 4 vpmulld", with_mullo),
+            ("8 vpdpbusd + 4 vcvtdq2ps", with_cvt),
+            ("8 vpdpbusd + 4 vpaddd", with_add),
+            ("8 vpdpbusd + 4 (vpandd, vpsrlw)", with_and_shift),
+        ];
+        for (name, chains) in mixes {
+            let t = std::time::Instant::now();
+            // SAFETY: the CPU has AVX-512 VNNI and F/BW (`Isa::Avx512Vnni`, checked above).
+            let check = unsafe { chains(std::hint::black_box(n)) };
+            let ns = t.elapsed().as_secs_f64() * 1e9 / n as f64;
+            println!("{name:34} {ns:.2} ns an iteration ({})", check & 1);
+        }
+    }
+
     /// `cargo test --release --lib q8matmul::tests::maddubs_throughput -- --ignored --nocapture`: 256-bit
     /// `vpmaddubsw` per second on one core (12 independent chains): the bound on a block of rows without
     /// VNNI, where a 1B model's 1.24 G weights at 8 rows are 310 M of them.
