@@ -1786,38 +1786,40 @@ mod avx512vnni {
     /// up to 4 rows from 2048 columns, and for the four-bit formats up to 2 rows from 4096 columns.
     /// Other CPUs keep asking: on Zen 5 going without did no better (see [`PREFETCH_BLOCKS`]); on the
     /// Xeons going without at few rows has not been timed.
-    /// Since [`one_stream`], Zen 4 takes these rules at 2 to 4 rows only.
+    /// Q6_K at one row from 8192 columns too (added with [`one_stream`], which takes the one-row
+    /// products of fewer columns): 2048 x 8192 0.293-0.399 ms against 0.314-0.425, 4096 x 14336
+    /// 0.944-1.388 against 1.047-1.490 (three runs, call by call, the same day).
     fn asks_ahead(f: PackedFormat, rows: usize, k: usize) -> bool {
         let hardware_alone = match f {
             PackedFormat::Q8_0 => rows <= 4 && k >= 2048,
+            PackedFormat::Q6K => rows == 1 && k >= 8192,
             f if f.four_bit() => rows <= 2 && k >= 4096,
             _ => false,
         };
         !(hardware_alone && super::super::isa::amd_family() == Some(0x19))
     }
 
-    /// Whether a product of `rows` rows reads its weights as one stream: tiles of one group, each
-    /// group's blocks right after the previous group's, with nothing asked ahead, so that a thread's
-    /// share of the matrix is one sequential read which the hardware prefetcher follows alone. On Zen 4
-    /// at one row, every format and shape measured faster so than in tiles of four groups (four streams
-    /// of one group's bytes each) with or without [`prefetch_ahead`]; at two rows it lost as often as
-    /// it won, and the arithmetic with the weights in L2 (one thread) is slower by up to 30% (Q4_0),
-    /// which one row streamed from memory does not reach. Interleaved call by call (`real_shape_timing`
-    /// with a throwaway switch, 2 threads, 2000-4200 calls, the weights streamed, 2026-12-05), one
-    /// stream against four groups and the current rule: Q4_K 8192 x 2048 0.260-0.296 ms against
-    /// 0.283-0.323 in three busy runs and 0.167 against 0.219 in a quieter one, 9728 x 2560
-    /// 0.251-0.365 against 0.337-0.393, 14336 x 4096 0.507-0.560 against 0.582-0.634 (no prefetch, as
-    /// the rule has it); Q6_K 8192 x 2048 0.243-0.416 against 0.286-0.454; Q5_K 9728 x 2560
-    /// 0.444-0.504 against 0.487-0.542; Q4_0 8192 x 2048 0.254-0.267 against 0.271-0.286; Q8_0 within
-    /// 1-3% of its rule (no prefetch) at 2048 columns and more; SmolLM2's Q8_0 vocabulary (49152 x 576)
-    /// 0.492 against 0.640. A synthetic read of 288-byte blocks (the Q4_K stride) as four streams of
-    /// 64 blocks a group read 48-50 GB/s where one stream read 57-58, as fast as the read loop, in the
-    /// same quiet minutes. Plain decoding, the commit before and this one alternating (64 tokens, 4-6
-    /// pairs a file): paired speed ratios 1.015-1.071 (medians) for every file but the 1B Q8_0 (1.001),
-    /// faster in 28 of 32 pairs. Other CPUs keep four groups at one row: on the Xeon four measured faster
+    /// Whether a product of `rows` rows and `k` columns reads its weights as one stream: tiles of one
+    /// group, each group's blocks right after the previous group's, with nothing asked ahead, so that a
+    /// thread's share of the matrix is one sequential read which the hardware prefetcher follows alone.
+    /// On Zen 4 that is faster at one row where a group's blocks are few: four groups at once are four
+    /// short streams, each found late. Interleaved call by call (`real_shape_timing` with a throwaway
+    /// switch, 2 threads, 2000-4200 calls, the weights streamed, 2026-12-05), one stream against the
+    /// four groups and prefetch rule before it: Q4_K 8192 x 2048 0.260-0.296 ms against 0.283-0.323 in
+    /// three busy runs and 0.167 against 0.219 in a quieter one, 9728 x 2560 0.251-0.365 against
+    /// 0.337-0.393, 14336 x 4096 0.507-0.560 against 0.582-0.634; Q6_K 8192 x 2048 0.243-0.416 against
+    /// 0.286-0.454; Q5_K 9728 x 2560 0.444-0.504 against 0.487-0.542; Q4_0 8192 x 2048 0.254-0.267
+    /// against 0.271-0.286; SmolLM2's Q8_0 vocabulary (49152 x 576) 0.492 against 0.640; a few
+    /// products of 1024-3072 columns within 2% either way. A synthetic read of 288-byte blocks (the
+    /// Q4_K stride) as four streams of 64 blocks a group read 48-50 GB/s where one stream read 57-58,
+    /// as fast as the read loop, in the same quiet minutes. From 8192 columns four long streams do as
+    /// well and their arithmetic is lighter (one group a tile takes up to 30% longer with the weights in
+    /// L2): Q4_0 2560 x 9728 0.284-0.390 ms against 0.311-0.392 in one stream, Q6_K without prefetch
+    /// 2560 x 9728 0.424-0.579 against 0.478-0.589, Q4_K and Q8_0 within 1%. At two rows one stream
+    /// lost as often as it won. Other CPUs keep four groups at one row: on the Xeon four measured faster
     /// than two (see [`FOUR_GROUPS_ROWS`]), and one has not been timed there or on Zen 5.
-    fn one_stream(rows: usize) -> bool {
-        rows == 1 && super::super::isa::amd_family() == Some(0x19)
+    fn one_stream(rows: usize, k: usize) -> bool {
+        rows == 1 && k < 8192 && super::super::isa::amd_family() == Some(0x19)
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -1837,7 +1839,7 @@ mod avx512vnni {
         } else {
             FOUR_GROUPS_ROWS
         };
-        let single = one_stream(m);
+        let single = one_stream(m, a.cols);
         let fetch = !single && asks_ahead(PackedFormat::from_tag(F), m, a.cols);
         let mut gi = 0;
         while gi < groups {
