@@ -1854,6 +1854,7 @@ mod avx512vnni {
         } else {
             FOUR_GROUPS_ROWS
         };
+        // On Zen 4, one group at a time where `one_stream` or `one_group` says so.
         let single = one_stream(m, a.cols);
         let fetch = !single && asks_ahead(PackedFormat::from_tag(F), m, a.cols);
         let narrow = single || one_group(PackedFormat::from_tag(F), m);
@@ -2782,7 +2783,7 @@ mod tests {
                         }
                         for c in 0..4 {
                             let ($i, $f) = (&mut ints[c], &mut fs[c]);
-                            let _ = (&$i, &$f, $m, $y);
+                            let _ = (&$i, &$f, $m, $y); // not every mix uses all four
                             $other
                         }
                     }
