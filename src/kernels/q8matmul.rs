@@ -1771,9 +1771,9 @@ mod avx512vnni {
     /// (`SHAPES=2048x2048 COPIES=6`) at 3-4 rows Q5_K lost 10-15% (the arithmetic weighs more there).
     const FOUR_GROUPS_ROWS: usize = 2;
 
-    /// Whether the tiles of `rows` rows of format `f`, `k` columns long, ask for the blocks ahead
-    /// ([`prefetch_ahead`]) on this CPU. On AMD's Zen 4 (family 0x19, the only one of that family with
-    /// AVX-512) the hardware prefetcher alone streams a few rows of long enough groups faster.
+    /// Whether, on Zen 4, the tiles of `rows` rows of format `f`, `k` columns long, leave the blocks ahead
+    /// to the hardware prefetcher instead of asking for them ([`prefetch_ahead`]): it alone streams a few
+    /// rows of long enough groups faster there.
     /// Interleaved call by call with the same products asking 16 blocks ahead (`real_shape_timing` with a
     /// throwaway switch between the two per call, 2 threads, 40-200 copies streamed, 2026-12-05), without,
     /// at one row: Q8_0 8192 x 2048 0.337-0.348 ms against 0.383-0.392, 2048 x 6144 0.382 against
@@ -1786,23 +1786,22 @@ mod avx512vnni {
     /// up to 4 rows from 2048 columns, and for the four-bit formats up to 2 rows from 4096 columns.
     /// Other CPUs keep asking: on Zen 5 going without did no better (see [`PREFETCH_BLOCKS`]); on the
     /// Xeons going without at few rows has not been timed.
-    /// Q6_K at one row from 8192 columns too (added with [`one_stream`], which takes the one-row
+    /// Q6_K at one row from 8192 columns too (added with [`zen4_one_stream`], which takes the one-row
     /// products of fewer columns): 2048 x 8192 0.293-0.399 ms against 0.314-0.425, 4096 x 14336
     /// 0.944-1.388 against 1.047-1.490 (three runs, call by call, the same day).
-    fn asks_ahead(f: PackedFormat, rows: usize, k: usize) -> bool {
-        let hardware_alone = match f {
+    fn zen4_hardware_alone(f: PackedFormat, rows: usize, k: usize) -> bool {
+        match f {
             PackedFormat::Q8_0 => rows <= 4 && k >= 2048,
             PackedFormat::Q6K => rows == 1 && k >= 8192,
             f if f.four_bit() => rows <= 2 && k >= 4096,
             _ => false,
-        };
-        !(hardware_alone && super::super::isa::amd_family() == Some(0x19))
+        }
     }
 
-    /// Whether a product of `rows` rows and `k` columns reads its weights as one stream: tiles of one
-    /// group, each group's blocks right after the previous group's, with nothing asked ahead, so that a
-    /// thread's share of the matrix is one sequential read which the hardware prefetcher follows alone.
-    /// On Zen 4 that is faster at one row where a group's blocks are few: four groups at once are four
+    /// Whether, on Zen 4, a product of `rows` rows and `k` columns reads its weights as one stream: tiles
+    /// of one group, each group's blocks right after the previous group's, with nothing asked ahead, so
+    /// that a thread's share of the matrix is one sequential read which the hardware prefetcher follows
+    /// alone. That is faster at one row where a group's blocks are few: four groups at once are four
     /// short streams, each found late. Interleaved call by call (`real_shape_timing` with a throwaway
     /// switch, 2 threads, 2000-4200 calls, the weights streamed, 2026-12-05), one stream against the
     /// four groups and prefetch rule before it: Q4_K 8192 x 2048 0.260-0.296 ms against 0.283-0.323 in
@@ -1818,53 +1817,62 @@ mod avx512vnni {
     /// 2560 x 9728 0.424-0.579 against 0.478-0.589, Q4_K and Q8_0 within 1%. At two rows one stream
     /// lost as often as it won. Other CPUs keep four groups at one row: on the Xeon four measured faster
     /// than two (see [`FOUR_GROUPS_ROWS`]), and one has not been timed there or on Zen 5.
-    fn one_stream(rows: usize, k: usize) -> bool {
-        rows == 1 && k < 8192 && super::super::isa::amd_family() == Some(0x19)
+    fn zen4_one_stream(rows: usize, k: usize) -> bool {
+        rows == 1 && k < 8192
     }
 
-    /// Whether tiles of `rows` rows of format `f` take one group at a time (and ask ahead as
-    /// [`asks_ahead`] says) where the tiles would take two or four. On Zen 4 the 5- and 6-bit formats,
-    /// whose values take the most registers to unpack, ran faster so from 2 to 5 rows: interleaved call by
-    /// call (as [`one_stream`], 1600 calls, two runs), one group against two or four, Q5_K 9728 x 2560
+    /// Whether, on Zen 4, tiles of `rows` rows of format `f` take one group at a time (and ask ahead
+    /// unless [`zen4_hardware_alone`] says otherwise) where they would take two or four. The 5- and 6-bit
+    /// formats, whose values take the most registers to unpack, ran faster so there from 2 to 5 rows:
+    /// interleaved call by call (as [`zen4_one_stream`], 1600 calls, two runs), one group against two or four, Q5_K 9728 x 2560
     /// at 3 rows 0.487-0.494 ms against 0.540-0.553, 3072 x 1024 at 5 rows 0.070-0.076 against
     /// 0.086-0.096, 8192 x 2048 at 2 rows 0.343-0.345 against 0.369; Q6_K 9728 x 2560 at 4 rows 0.575
     /// against 0.617 (and 0.434 against 0.422 in a quiet minute), 8192 x 2048 at 3 rows 0.404 against
     /// 0.438, 2048 x 8192 at 5 rows 0.399-0.409 against 0.415-0.425: faster in 30 of 32 pairs. At 8
     /// rows they were even (Q6_K takes one group from 6 rows everywhere, `Q6K_TWO_GROUPS_ROWS`).
-    fn one_group(f: PackedFormat, rows: usize) -> bool {
-        matches!(f, PackedFormat::Q5K | PackedFormat::Q6K)
-            && (2..=5).contains(&rows)
-            && super::super::isa::amd_family() == Some(0x19)
+    fn zen4_one_group(f: PackedFormat, rows: usize) -> bool {
+        matches!(f, PackedFormat::Q5K | PackedFormat::Q6K) && (2..=5).contains(&rows)
+    }
+
+    /// How the tiles of a product of `rows` rows of format `f`, `k` columns long, read the weights on
+    /// this CPU: the most groups a tile takes at once (4, 2 or 1; a tile near the end takes what is
+    /// left), and whether it asks for the blocks ahead ([`prefetch_ahead`]).
+    ///
+    /// Everywhere, two groups at a time: each activation broadcast feeds two dot products (a broadcast
+    /// per dot product costs more than the multiply-adds it feeds). Tiles of up to 8 rows either way (two
+    /// groups: 16 integer and 16 f32 accumulators); against 4 rows for two groups, on one thread
+    /// (q8matmul::tests::timing): 1536 x 576 Q4_1 at 8 rows 54 -> 47 µs, 32 rows 222 -> 162 µs; the
+    /// 49152 x 576 Q8_0 vocabulary at 8 rows 1.88 -> 1.40 ms. Four at one or two rows (Q6_K: one), see
+    /// [`FOUR_GROUPS_ROWS`]. Q6_K one from 6 rows: its values take more registers to unpack, and from 6
+    /// rows two groups spill them ([`Q6K_TWO_GROUPS_ROWS`]). On AMD's Zen 4 (family 0x19, the only one of
+    /// that family with AVX-512) the `zen4_` rules above come first.
+    fn plan(f: PackedFormat, rows: usize, k: usize) -> (usize, bool) {
+        let zen4 = super::super::isa::amd_family() == Some(0x19);
+        if zen4 && zen4_one_stream(rows, k) {
+            return (1, false);
+        }
+        let q6k = f == PackedFormat::Q6K;
+        let groups = if zen4 && zen4_one_group(f, rows) {
+            1
+        } else if rows <= if q6k { 1 } else { FOUR_GROUPS_ROWS } {
+            4
+        } else if !q6k || rows <= Q6K_TWO_GROUPS_ROWS {
+            2
+        } else {
+            1
+        };
+        (groups, !(zen4 && zen4_hardware_alone(f, rows, k)))
     }
 
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
     unsafe fn run<const F: u8>(a: &QuantRows, w: &PackedMatrix, g0: usize, out: Out) {
         let (m, groups) = (a.rows, out.groups);
-        // Two groups at a time: each activation broadcast feeds two dot products (a broadcast per dot
-        // product costs more than the multiply-adds it feeds); a last odd group alone. Tiles of up to 8
-        // rows either way (two groups: 16 integer and 16 f32 accumulators); against 4 rows for two groups,
-        // on one thread (q8matmul::tests::timing): 1536 x 576 Q4_1 at 8 rows 54 -> 47 µs, 32 rows 222 ->
-        // 162 µs; the 49152 x 576 Q8_0 vocabulary at 8 rows 1.88 -> 1.40 ms.
-        // Q6_K two groups at a time only up to `Q6K_TWO_GROUPS_ROWS` rows: its values take more registers
-        // to unpack, and from 6 rows two groups spill them.
-        let two_groups = F != PackedFormat::Q6K.tag() || m <= Q6K_TWO_GROUPS_ROWS;
-        // Four groups at a time at one or two rows (Q6_K: one): see `FOUR_GROUPS_ROWS`.
-        let four_rows = if F == PackedFormat::Q6K.tag() {
-            1
-        } else {
-            FOUR_GROUPS_ROWS
-        };
-        // On Zen 4, one group at a time where `one_stream` or `one_group` says so.
-        let single = one_stream(m, a.cols);
-        let fetch = !single && asks_ahead(PackedFormat::from_tag(F), m, a.cols);
-        let narrow = single || one_group(PackedFormat::from_tag(F), m);
+        let (most, fetch) = plan(PackedFormat::from_tag(F), m, a.cols);
         let mut gi = 0;
         while gi < groups {
-            let tile_groups = if narrow {
-                1
-            } else if gi + 3 < groups && m <= four_rows {
+            let tile_groups = if most >= 4 && gi + 3 < groups {
                 4
-            } else if gi + 1 < groups && two_groups {
+            } else if most >= 2 && gi + 1 < groups {
                 2
             } else {
                 1
@@ -1893,7 +1901,7 @@ mod avx512vnni {
 
     /// Where a tile works: groups from `g`, rows from `r0`; row `r`'s 16 outputs of group `g + j` go
     /// to `out[j] + r·ld` (for the tile's `G` groups, the first `G` of these). `fetch`: ask for the
-    /// blocks ahead ([`asks_ahead`]).
+    /// blocks ahead ([`plan`]).
     #[derive(Clone, Copy)]
     struct At {
         g: usize,
