@@ -2717,6 +2717,70 @@ mod tests {
         }
     }
 
+    /// `cargo test --release --lib q8matmul::tests::product_against_read -- --ignored --nocapture`: how
+    /// close one-row products come to the memory. Call by call, alternately, a product of one row and a
+    /// bare read of the same matrix's weights (a load per cache line, claimed in ranges on the same pool,
+    /// as the product claims its groups), each on the next of enough copies to come from memory; prints
+    /// both medians and their GB/s (10th-90th percentile). Alternating puts both under the same host
+    /// conditions, which on a shared machine change within seconds. `SHAPES=Q4K:8192x3072,Q6K:128256x3072`
+    /// (format:NxK; the default is the first), `CALLS=2000`.
+    #[test]
+    #[ignore]
+    fn product_against_read() {
+        let mut rng = StdRng::seed_from_u64(29);
+        let list = std::env::var("SHAPES").unwrap_or("Q4K:8192x3072".into());
+        let calls: usize = std::env::var("CALLS").map_or(2000, |c| c.parse().expect("CALLS: a count"));
+        let pool = super::super::pool::Pool::global();
+        for item in list.split(',') {
+            let parsed = item.split_once(':').and_then(|(f, dims)| {
+                let format = *PackedFormat::ALL.iter().find(|x| format!("{x:?}") == f)?;
+                let (n, k) = dims.split_once('x')?;
+                Some((format, n.parse().ok()?, k.parse().ok()?))
+            });
+            let (format, n, k): (PackedFormat, usize, usize) = parsed.expect("SHAPES: FORMAT:NxK,...");
+            let one = random_packed(&mut rng, format, n, k);
+            let copies = (256 << 20) / one.bytes() + 1;
+            let w: Vec<PackedMatrix> = std::iter::once(one)
+                .chain((1..copies).map(|_| random_packed(&mut rng, format, n, k)))
+                .collect();
+            let x = random_x(&mut rng, k);
+            let mut y = vec![0.0f32; n];
+            let (mut product, mut read) = (Vec::new(), Vec::new());
+            let sink = std::sync::atomic::AtomicU64::new(0);
+            for c in 0..calls {
+                let m = &w[c % w.len()];
+                let t = std::time::Instant::now();
+                if c % 2 == 0 {
+                    matmul_q8_with(default_isa(), &x, m, &mut y, 1);
+                    product.push(t.elapsed().as_secs_f64());
+                } else {
+                    let data: &[u8] = &m.data;
+                    pool.run_ranges(data.len() / 64, 512, &|a, b| {
+                        // SAFETY: line i (below len / 64) lies inside `data`.
+                        let lines =
+                            (a..b).map(|i| unsafe { std::ptr::read_volatile(data.as_ptr().add(64 * i)) });
+                        let sum = lines.fold(0u64, |s, v| s.wrapping_add(v as u64));
+                        sink.fetch_add(sum, std::sync::atomic::Ordering::Relaxed);
+                    });
+                    read.push(t.elapsed().as_secs_f64());
+                }
+            }
+            let gb = |t: f64| w[0].data.len() as f64 / t / 1e9;
+            let show = |v: &mut Vec<f64>| {
+                v.sort_by(f64::total_cmp);
+                let (p10, mid, p90) = (v[v.len() / 10], v[v.len() / 2], v[v.len() * 9 / 10]);
+                format!(
+                    "{:.3} ms ({:.1} GB/s, {:.1}-{:.1})",
+                    mid * 1e3,
+                    gb(mid),
+                    gb(p90),
+                    gb(p10)
+                )
+            };
+            println!("{item}: product {}, read {}", show(&mut product), show(&mut read));
+        }
+    }
+
     /// Times `chains(n)` (12 independent chains of `n` instructions each) and prints instructions per
     /// second on one core.
     #[cfg(target_arch = "x86_64")]
