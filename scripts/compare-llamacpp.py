@@ -19,7 +19,7 @@ With `--shapes FILE|SHAPE:FORMAT,...` (SHAPE:FORMAT names a file of scripts/real
 per file, in rounds (default 3) that take every file and tool in turn, and prints markdown tables:
 plain decoding (`probespec --method ar`, 64 tokens, against `llama-bench -n 64`, each right after a run of
 the read loop of scripts/read-bandwidth.sh over an array of the file's size, and the share of it each
-engine used), the block cost after 256
+engine used; with the ratio of the rounds in which the read loop held steady), the block cost after 256
 cached tokens (`probespec cost` against `llama-bench -p 1,4,8,16 -n 0 -d 256`: ms per block and
 cost(8)/cost(1)), and loading (`probespec --max-new-tokens 1` against `llama-completion -c 4096 -n 1`:
 wall time to the first token and peak RSS, read by /usr/bin/time). `--tables A,B,C` names the tables to

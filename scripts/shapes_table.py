@@ -9,11 +9,16 @@ so a drift of the machine hits all of them. Files of scripts/real-shapes.sh have
 speeds stand for the shape, their text is noise.
 
 Bandwidth used is the file's bytes x tok/s over the read loop run just before that engine's plain decoding
-(the host's read bandwidth moves by a third within minutes here; a decoding step reads every weight once,
+(the host's read bandwidth moves by a third within minutes here, on a shared EPYC between two speeds, about
+35 and 60 GB/s, that change within seconds; a decoding step reads every weight once,
 and with untied embeddings all but the token embeddings, so the file's size overstates it a little), the
 median over the rounds. The read loop sums an array of the file's size: a file that fits in the last-level
 cache (SmolLM2's 98 MB on a CPU with more L3) stays there between tokens, and its bound is the cache's
-read bandwidth, not memory's.
+read bandwidth, not memory's. The loop runs once more after probespec's run, and a round whose three
+readings (before llama.cpp, between the engines, after probespec) lie within 15% of each other is a
+steady one: both engines met the same host there. The steady rounds' paired ratios (probespec's tok/s
+over llama.cpp's in the same round) are the column that compares the engines rather than the host's
+moments.
 """
 import json, os, statistics, subprocess, sys, tempfile, time
 
@@ -94,7 +99,7 @@ def run(a, tools, run_cmd, prompt):
     completion = os.path.join(tools, "llama-completion")
     loop_dir = tempfile.TemporaryDirectory()
     read_bandwidth = read_loop(loop_dir.name) if "A" in tables else None
-    m = {f: {"lc_read": [], "ps_read": [], "lc_tps": [], "ps_tps": [], "ps_new": [],
+    m = {f: {"lc_read": [], "ps_read": [], "ps_read_after": [], "lc_tps": [], "ps_tps": [], "ps_new": [],
              "lc_ms": {r: [] for r in ROWS}, "ps_ms": {r: [] for r in ROWS},
              "lc_load": [], "ps_load": [], "lc_rss": [], "ps_rss": []}
          for f in files}
@@ -112,6 +117,7 @@ def run(a, tools, run_cmd, prompt):
                 j = json.loads(r.stdout.strip().splitlines()[-1])
                 x["ps_tps"].append(j["stats"]["tokens_per_second"])
                 x["ps_new"].append(len(j["token_ids"]))
+                x["ps_read_after"].append(read_bandwidth(os.path.getsize(f)))
             if "B" in tables:
                 # block cost after 256 cached tokens
                 r = run_cmd([bench, "-m", f, "-t", T, "-r", "1", "-o", "json", "-p", ",".join(map(str, ROWS)),
@@ -144,11 +150,18 @@ def run(a, tools, run_cmd, prompt):
     return {label(f): m[f] for f in files}
 
 
+def steady_ratios(x):
+    """Paired ratios (probespec / llama.cpp tok/s) of the rounds whose three read-loop readings lie within
+    15% of each other, and the number of rounds."""
+    rounds = zip(x["lc_tps"], x["ps_tps"], x["lc_read"], x["ps_read"], x["ps_read_after"])
+    return [p / l for l, p, *reads in rounds if None not in reads and min(reads) >= 0.85 * max(reads)]
+
+
 def plain_table(a, files, m, n):
     print(f"\nA. Plain decoding, {NEW_TOKENS} new tokens, {a.threads} threads: tok/s, median of {n} (min-max)\n")
     print("| file | llama-bench -n 64 | probespec --method ar | ratio | read loop GB/s | "
-          "bandwidth used, llama.cpp / probespec |")
-    print("|---|---|---|---|---|---|")
+          "bandwidth used, llama.cpp / probespec | ratio in steady rounds |")
+    print("|---|---|---|---|---|---|---|")
     for f in files:
         x = m[f]
         short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
@@ -160,8 +173,11 @@ def plain_table(a, files, m, n):
             lc = med([gb * t / r for t, r in zip(x["lc_tps"], x["lc_read"])])
             ps = med([gb * t / r for t, r in zip(x["ps_tps"], x["ps_read"])])
             used = f"{lc:.0%} / {ps:.0%}"
+        steady = steady_ratios(x)
+        paired = (f"{med(steady):.2f}x ({min(steady):.2f}-{max(steady):.2f}), {len(steady)} of {n}" if steady
+                  else f"none of {n}")
         print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
-              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {readings} | {used} |")
+              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {readings} | {used} | {paired} |")
 
 
 def cost_table(files, m, n):
