@@ -9,8 +9,8 @@ so a drift of the machine hits all of them. Files of scripts/real-shapes.sh have
 speeds stand for the shape, their text is noise.
 
 Bandwidth used is the file's bytes x tok/s over the read loop run just before that engine's plain decoding
-(the host's read bandwidth moves by a third within minutes here, on a shared EPYC between two speeds, about
-35 and 60 GB/s, that change within seconds; a decoding step reads every weight once,
+(a shared host's read bandwidth moves: on an EPYC Zen 4 it switched between about 35 and 60 GB/s within
+seconds; a decoding step reads every weight once,
 and with untied embeddings all but the token embeddings, so the file's size overstates it a little), the
 median over the rounds. The read loop sums an array of the file's size: a file that fits in the last-level
 cache (SmolLM2's 98 MB on a CPU with more L3) stays there between tokens, and its bound is the cache's
@@ -152,7 +152,7 @@ def run(a, tools, run_cmd, prompt):
 
 def steady_ratios(x):
     """Paired ratios (probespec / llama.cpp tok/s) of the rounds whose three read-loop readings lie within
-    15% of each other, and the number of rounds."""
+    15% of each other."""
     rounds = zip(x["lc_tps"], x["ps_tps"], x["lc_read"], x["ps_read"], x["ps_read_after"])
     return [p / l for l, p, *reads in rounds if None not in reads and min(reads) >= 0.85 * max(reads)]
 
