@@ -2636,6 +2636,22 @@ mod tests {
         }
     }
 
+    /// `copies` random `[n, k]` matrices of `format`; by default enough (256 MiB) that a timing cycling
+    /// through them reads its weights from memory, not from the caches.
+    fn streamed_copies(
+        rng: &mut StdRng,
+        format: PackedFormat,
+        n: usize,
+        k: usize,
+        copies: Option<usize>,
+    ) -> Vec<PackedMatrix> {
+        let one = random_packed(rng, format, n, k);
+        let copies = copies.unwrap_or((256 << 20) / one.bytes() + 1);
+        std::iter::once(one)
+            .chain((1..copies).map(|_| random_packed(rng, format, n, k)))
+            .collect()
+    }
+
     /// `cargo test --release --lib q8matmul::tests::real_shape_timing -- --ignored --nocapture`: ms per
     /// call (median) and GB/s of the weights read, on the default pool, for Llama-3.2-1B's products in
     /// the formats of its Q4_K_M, Q4_0 and Q8_0 files and Q5_K (random weights; a product's time depends on its
@@ -2691,14 +2707,10 @@ mod tests {
             if !only.is_empty() && !only.split(',').any(|f| format!("{format:?}") == f) {
                 continue;
             }
-            let one = random_packed(&mut rng, format, n, k);
-            let copies = match std::env::var("COPIES") {
-                Ok(c) => c.parse().unwrap(),
-                Err(_) => (256 << 20) / one.bytes() + 1,
-            };
-            let w: Vec<PackedMatrix> = std::iter::once(one)
-                .chain((1..copies).map(|_| random_packed(&mut rng, format, n, k)))
-                .collect();
+            let copies = std::env::var("COPIES")
+                .ok()
+                .map(|c| c.parse().expect("COPIES: a count"));
+            let w = streamed_copies(&mut rng, format, n, k, copies);
             print!("{format:?} {n} {k}:");
             for &m in &rows {
                 let x = random_x(&mut rng, m * k);
@@ -2738,11 +2750,7 @@ mod tests {
                 Some((format, n.parse().ok()?, k.parse().ok()?))
             });
             let (format, n, k): (PackedFormat, usize, usize) = parsed.expect("SHAPES: FORMAT:NxK,...");
-            let one = random_packed(&mut rng, format, n, k);
-            let copies = (256 << 20) / one.bytes() + 1;
-            let w: Vec<PackedMatrix> = std::iter::once(one)
-                .chain((1..copies).map(|_| random_packed(&mut rng, format, n, k)))
-                .collect();
+            let w = streamed_copies(&mut rng, format, n, k, None);
             let x = random_x(&mut rng, k);
             let mut y = vec![0.0f32; n];
             let (mut product, mut read) = (Vec::new(), Vec::new());
