@@ -16,7 +16,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::quantized::gguf_file::{Content, Value};
-use probespec::tokenizer::{Message, StreamDecoder, TextTokenizer};
+use probespec::tokenizer::{Message, StreamDecoder, TemplateVars, TextTokenizer};
 
 const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
@@ -178,8 +178,12 @@ fn chat_template_renders_like_transformers() {
     for (case, c) in fixture["cases"].as_object().unwrap() {
         let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
         let gen = c["add_generation_prompt"].as_bool().unwrap();
+        let vars: TemplateVars = c
+            .get("template_kwargs")
+            .map_or_else(TemplateVars::new, |v| serde_json::from_value(v.clone()).unwrap());
         let want = fixture["expected"][format!("smollm2/{case}")].as_str().unwrap();
-        assert_eq!(tok.apply_chat_template(&msgs, gen).unwrap(), want, "case {case}");
+        let got = tok.apply_chat_template_with(&msgs, gen, &vars).unwrap();
+        assert_eq!(got, want, "case {case}");
     }
     let prompt = tok
         .apply_chat_template(&[Message::new("user", "What is the capital of France?")], true)

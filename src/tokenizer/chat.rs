@@ -66,13 +66,16 @@ impl ChatTemplate {
         Self { env, compile_error }
     }
 
-    /// Renders `messages` with `bos_token`/`eos_token` defined and no tools.
+    /// Renders `messages` with `bos_token`/`eos_token` defined, no tools, and the template's own
+    /// variables `vars` (checked by [`check_template_vars`]), as transformers' `apply_chat_template(...,
+    /// **kwargs)`.
     pub(crate) fn render(
         &self,
         messages: &[Message],
         add_generation_prompt: bool,
         bos_token: &str,
         eos_token: &str,
+        vars: &TemplateVars,
     ) -> Result<String> {
         if let Some(e) = &self.compile_error {
             return Err(anyhow!(
@@ -90,9 +93,47 @@ impl ChatTemplate {
             bos_token => bos_token,
             eos_token => eos_token,
             tools => Value::from(()),
+            ..Value::from_serialize(vars)
         };
         tmpl.render(ctx)
             .map_err(|e| anyhow!("rendering the chat template failed: {e:#}"))
+    }
+}
+
+/// Variables a chat template reads beyond the conversation, by name (e.g. Qwen 3's `enable_thinking`).
+pub type TemplateVars = serde_json::Map<String, serde_json::Value>;
+
+/// The names the renderer sets itself, which a template variable may not replace.
+const RESERVED_VARS: [&str; 5] = [
+    "messages",
+    "add_generation_prompt",
+    "bos_token",
+    "eos_token",
+    "tools",
+];
+
+/// Template variables from JSON text: an object, none of whose names the renderer sets itself.
+pub fn parse_template_vars(json: &str) -> Result<TemplateVars> {
+    let value: serde_json::Value = serde_json::from_str(json)
+        .map_err(|e| anyhow!("not JSON ({e}); give an object, e.g. '{{\"enable_thinking\": false}}'"))?;
+    let serde_json::Value::Object(vars) = value else {
+        return Err(anyhow!(
+            "a JSON object of template variables, e.g. '{{\"enable_thinking\": false}}', not {value}"
+        ));
+    };
+    check_template_vars(&vars)?;
+    Ok(vars)
+}
+
+/// Fails on a variable the renderer sets itself (the conversation, the generation prompt, the special
+/// tokens, the tools).
+pub fn check_template_vars(vars: &TemplateVars) -> Result<()> {
+    match vars.keys().find(|k| RESERVED_VARS.contains(&k.as_str())) {
+        Some(k) => Err(anyhow!(
+            "'{k}' is set by probespec itself, not a template variable (reserved: {})",
+            RESERVED_VARS.join(", ")
+        )),
+        None => Ok(()),
     }
 }
 
@@ -371,7 +412,7 @@ mod tests {
     use super::*;
 
     fn render(src: &str, messages: &[Message], gen: bool) -> Result<String> {
-        ChatTemplate::new(src.to_string()).render(messages, gen, "<s>", "</s>")
+        ChatTemplate::new(src.to_string()).render(messages, gen, "<s>", "</s>", &TemplateVars::new())
     }
 
     #[test]
@@ -404,7 +445,10 @@ mod tests {
     #[test]
     fn broken_template_fails_only_when_used() {
         let t = ChatTemplate::new("{% for %}".to_string());
-        let err = t.render(&[], false, "", "").unwrap_err().to_string();
+        let err = t
+            .render(&[], false, "", "", &TemplateVars::new())
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("--no-chat-template"), "{err}");
     }
 
@@ -453,10 +497,33 @@ mod tests {
             for (case, c) in fixture["cases"].as_object().unwrap() {
                 let msgs: Vec<Message> = serde_json::from_value(c["messages"].clone()).unwrap();
                 let gen = c["add_generation_prompt"].as_bool().unwrap();
-                let got = tmpl.render(&msgs, gen, bos, eos).unwrap();
+                let vars: TemplateVars = c
+                    .get("template_kwargs")
+                    .map_or_else(TemplateVars::new, |v| serde_json::from_value(v.clone()).unwrap());
+                let got = tmpl.render(&msgs, gen, bos, eos, &vars).unwrap();
                 let want = fixture["expected"][format!("{name}/{case}")].as_str().unwrap();
                 assert_eq!(got, want, "{name}/{case}");
             }
+        }
+    }
+
+    #[test]
+    fn template_vars_parse_from_a_json_object_only() {
+        let vars = parse_template_vars(r#"{"enable_thinking": false, "n": [1, 2]}"#).unwrap();
+        assert_eq!(vars["enable_thinking"], serde_json::json!(false));
+        for (bad, says) in [
+            ("enable_thinking=false", "not JSON"),
+            ("[1, 2]", "JSON object"),
+            ("false", "JSON object"),
+            (
+                r#"{"add_generation_prompt": false}"#,
+                "'add_generation_prompt' is set by probespec",
+            ),
+            (r#"{"bos_token": ""}"#, "'bos_token' is set by probespec"),
+        ] {
+            let err = parse_template_vars(bad).unwrap_err().to_string();
+            assert!(err.contains(says), "{bad}: {err}");
+            assert!(!err.contains('\n'), "one line: {err}");
         }
     }
 

@@ -17,7 +17,7 @@ use candle_core::quantized::gguf_file;
 use serde_json::Value as Json;
 
 use chat::ChatTemplate;
-pub use chat::Message;
+pub use chat::{check_template_vars, parse_template_vars, Message, TemplateVars};
 /// The split regexes that name a GGUF's `tokenizer.ggml.pre` (`probespec shape-gguf` writes that name).
 pub(crate) use gguf::{LLAMA3_SPLIT, QWEN2_SPLIT};
 pub use stream::StreamDecoder;
@@ -55,6 +55,8 @@ pub struct TextTokenizer {
     stop_tokens: Vec<u32>,
     vocab_size: usize,
     chat_template: Option<ChatTemplate>,
+    /// Variables every rendering passes to the chat template (`--chat-template-kwargs`).
+    template_vars: TemplateVars,
 }
 
 impl TextTokenizer {
@@ -178,6 +180,7 @@ impl TextTokenizer {
             stop_tokens,
             vocab_size,
             chat_template: chat_template.map(ChatTemplate::new),
+            template_vars: TemplateVars::new(),
         }
     }
 
@@ -222,12 +225,44 @@ impl TextTokenizer {
         self.chat_template.is_some()
     }
 
-    /// Renders `messages` with the model's chat template.
+    /// Renders `messages` with the model's chat template and this tokenizer's template variables.
     pub fn apply_chat_template(&self, messages: &[Message], add_generation_prompt: bool) -> Result<String> {
+        self.apply_chat_template_with(messages, add_generation_prompt, &TemplateVars::new())
+    }
+
+    /// As [`Self::apply_chat_template`], with `vars` over this tokenizer's template variables (a server
+    /// request's `chat_template_kwargs`).
+    pub fn apply_chat_template_with(
+        &self,
+        messages: &[Message],
+        add_generation_prompt: bool,
+        vars: &TemplateVars,
+    ) -> Result<String> {
         let Some(tmpl) = &self.chat_template else {
             bail!("this model has no chat template; run with --no-chat-template to use the prompt as is");
         };
-        tmpl.render(messages, add_generation_prompt, &self.bos_token, &self.eos_token)
+        check_template_vars(vars)?;
+        let mut all = self.template_vars.clone();
+        all.extend(vars.iter().map(|(k, v)| (k.clone(), v.clone())));
+        tmpl.render(
+            messages,
+            add_generation_prompt,
+            &self.bos_token,
+            &self.eos_token,
+            &all,
+        )
+    }
+
+    /// Sets the variables every rendering passes to the chat template (Qwen 3's `enable_thinking`, ...).
+    pub fn set_chat_template_vars(&mut self, vars: TemplateVars) -> Result<()> {
+        check_template_vars(&vars)?;
+        self.template_vars = vars;
+        Ok(())
+    }
+
+    /// The variables every rendering passes to the chat template.
+    pub fn chat_template_vars(&self) -> &TemplateVars {
+        &self.template_vars
     }
 
     /// The text of one token, special tokens included (`None` for an id outside the vocabulary).
@@ -407,6 +442,32 @@ mod tests {
         .unwrap();
         let tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
         assert_eq!(tok.apply_chat_template(&msgs, false).unwrap(), "JINJAuser");
+    }
+
+    #[test]
+    fn template_vars_reach_the_template_and_a_request_overrides_them() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "tokenizer.json", &tiny_tokenizer_json(false));
+        let src = "{{ mode | default('unset') }}/{{ extra | default('none') }}";
+        std::fs::write(dir.path().join("chat_template.jinja"), src).unwrap();
+        let mut tok = TextTokenizer::from_hf_dir(dir.path()).unwrap();
+        let render = |tok: &TextTokenizer, vars: &str| {
+            tok.apply_chat_template_with(&[], true, &parse_template_vars(vars).unwrap())
+                .unwrap()
+        };
+        assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "unset/none");
+        tok.set_chat_template_vars(parse_template_vars(r#"{"mode": "fast"}"#).unwrap())
+            .unwrap();
+        assert_eq!(tok.apply_chat_template(&[], true).unwrap(), "fast/none");
+        assert_eq!(render(&tok, r#"{"extra": 3}"#), "fast/3");
+        assert_eq!(render(&tok, r#"{"mode": "slow"}"#), "slow/none");
+        let reserved = TemplateVars::from_iter([("messages".to_string(), json!([]))]);
+        let err = tok
+            .apply_chat_template_with(&[], true, &reserved)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("'messages'"), "{err}");
+        assert!(tok.set_chat_template_vars(reserved).is_err());
     }
 
     #[test]

@@ -40,6 +40,26 @@ cases = {
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "add_generation_prompt": True,
     },
+    # Template variables passed as apply_chat_template's **kwargs (probespec's --chat-template-kwargs).
+    "no_thinking": {
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "add_generation_prompt": True,
+        "template_kwargs": {"enable_thinking": False},
+    },
+    "multi_turn_no_thinking": {
+        "messages": [
+            {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?"},
+            {"role": "user", "content": "Tell me a joke."},
+        ],
+        "add_generation_prompt": True,
+        "template_kwargs": {"enable_thinking": False, "unused_by_the_template": [1, "two"]},
+    },
+    "thinking_explicitly_on": {
+        "messages": [{"role": "user", "content": "What is 2+2?"}],
+        "add_generation_prompt": True,
+        "template_kwargs": {"enable_thinking": True},
+    },
 }
 templates = {
     "smollm2": {"file": None, "bos_token": "<|im_start|>", "eos_token": "<|im_end|>"},
@@ -61,6 +81,7 @@ for name, t in templates.items():
             bos_token=t["bos_token"],
             eos_token=t["eos_token"],
             tools=None,
+            **c.get("template_kwargs", {}),
         )
 with open(os.path.join(here, "expected.json"), "w", encoding="utf-8") as f:
     json.dump({"cases": cases, "templates": templates, "expected": expected}, f, ensure_ascii=False, indent=1)
