@@ -30,6 +30,7 @@ fn model(dequantize: bool) -> Session {
         dequantize,
         activations: Default::default(),
         kv_dtype: None,
+        ..ModelOptions::default()
     })
     .unwrap()
 }

@@ -6,7 +6,7 @@ use crate::decode::generate::{generate, GenerateParams, Generation};
 use crate::decode::method::Method;
 use crate::model::load::{load_model, Activations, LoadOptions, ModelSource};
 use crate::model::Transformer;
-use crate::tokenizer::{Message, TextTokenizer};
+use crate::tokenizer::{Message, TemplateVars, TextTokenizer};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device};
 
@@ -62,6 +62,8 @@ pub struct ModelOptions {
     pub activations: Activations,
     /// What the CPU kernels' KV cache holds (f32 or bf16); `None`: [`crate::model::DEFAULT_KV_DTYPE`].
     pub kv_dtype: Option<DType>,
+    /// Variables every chat-template rendering passes (`--chat-template-kwargs`).
+    pub chat_template_vars: TemplateVars,
 }
 
 impl ModelOptions {
@@ -168,9 +170,11 @@ impl Session {
             &activations,
         ));
         cost_cache::attach(&model, cost_store.clone());
+        let mut tokenizer = loaded.tokenizer;
+        tokenizer.set_chat_template_vars(opts.chat_template_vars.clone())?;
         Ok(Session {
             model,
-            tokenizer: loaded.tokenizer,
+            tokenizer,
             description: loaded.description,
             cost_store,
         })

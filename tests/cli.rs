@@ -193,6 +193,17 @@ fn invalid_flag_values() {
     fails_with(&["--model", m, "-t", "two", "w5"], None, "--threads");
     fails_with(&["--model", m, "--kv-cache", "f16", "w5"], None, "--kv-cache");
     fails_with(&["--model", m, "--bc", "many", "w5"], None, "many");
+    for (kwargs, says) in [
+        ("enable_thinking=false", "not JSON"),
+        ("[false]", "a JSON object of template variables"),
+        (r#"{"messages": []}"#, "'messages' is set by probespec itself"),
+    ] {
+        fails_with(
+            &["--model", m, "--chat-template-kwargs", kwargs, "w5"],
+            None,
+            says,
+        );
+    }
     fails_with(
         &[
             "--model",

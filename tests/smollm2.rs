@@ -27,6 +27,7 @@ fn smollm2_kv(activations: Activations, kv_dtype: Option<DType>) -> Session {
         dequantize: false,
         activations,
         kv_dtype,
+        ..ModelOptions::default()
     })
     .unwrap()
 }

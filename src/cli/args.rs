@@ -10,6 +10,7 @@ use crate::decode::method::{
 use crate::decode::sampling::SamplingParams;
 use crate::model::load::Activations;
 use crate::session::{DeviceKind, ModelOptions};
+use crate::tokenizer::{parse_template_vars, TemplateVars};
 use anyhow::{bail, Result};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
@@ -42,6 +43,14 @@ pub struct ModelArgs {
     /// it. (`--dtype f16/bf16` on the CPU caches f32, a GPU the model's dtype.)
     #[arg(long, value_enum)]
     pub kv_cache: Option<KvCacheArg>,
+    /// Variables for the model's chat template, as a JSON object (transformers' `apply_chat_template`
+    /// keyword arguments), e.g. '{"enable_thinking": false}' to turn Qwen 3's thinking off.
+    #[arg(long, value_name = "JSON", value_parser = template_vars_arg)]
+    pub chat_template_kwargs: Option<TemplateVars>,
+}
+
+fn template_vars_arg(json: &str) -> Result<TemplateVars, String> {
+    parse_template_vars(json).map_err(|e| format!("{e:#}"))
 }
 
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +96,7 @@ impl ModelArgs {
                 KvCacheArg::F32 => DType::F32,
                 KvCacheArg::Bf16 => DType::BF16,
             }),
+            chat_template_vars: self.chat_template_kwargs.clone().unwrap_or_default(),
         }
     }
 }
