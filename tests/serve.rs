@@ -216,6 +216,51 @@ fn chat_answers_are_the_clis() {
     );
 }
 
+/// Template variables, from the server's flag and over it from a request, reach the prompt as they reach
+/// the one-shot CLI's: the tiny template adds `w5` after the generation prompt when `enable_thinking` is
+/// false, as Qwen 3's adds an empty thinking block.
+#[test]
+fn chat_template_kwargs_reach_the_prompt() {
+    let (dir, l) = tiny();
+    let model = dir.path().to_str().unwrap();
+    let off = r#"{"enable_thinking": false}"#;
+    let s = Server::start(&["--model", model, "--chat-template-kwargs", off]);
+    // The prompts written out by hand: the template's text with and without the added word.
+    let ids = |text: &str| l.tokenizer.encode(text).unwrap();
+    let thinking = ids("user w30 w31 <|im_end|> w4 ");
+    let not_thinking = ids("user w30 w31 <|im_end|> w4 w5 ");
+    assert_eq!(not_thinking.len(), thinking.len() + 1);
+    let cli_prompt = |kwargs: Option<&str>| -> Vec<u32> {
+        let mut args = vec!["--model", model, "--json", "--max-new-tokens", "4"];
+        args.extend(
+            kwargs
+                .map(|k| ["--chat-template-kwargs", k])
+                .into_iter()
+                .flatten(),
+        );
+        args.push("w30 w31");
+        let out: Value = serde_json::from_str(common::binary::probespec(&args).ok().stdout.trim()).unwrap();
+        serde_json::from_value(out["prompt_token_ids"].clone()).unwrap()
+    };
+    assert_eq!(cli_prompt(None), thinking);
+    assert_eq!(cli_prompt(Some(off)), not_thinking);
+    let user = [Message::new("user", "w30 w31")];
+    for (extra, want) in [
+        (json!({}), &not_thinking),
+        (json!({"chat_template_kwargs": null}), &not_thinking),
+        (
+            json!({"chat_template_kwargs": {"enable_thinking": true}}),
+            &thinking,
+        ),
+        (json!({"chat_template_kwargs": {"other": 1}}), &not_thinking),
+    ] {
+        let mut body = chat_body(&user, extra.clone());
+        body["max_tokens"] = json!(4);
+        let a = s.ok("/v1/chat/completions", &body);
+        assert_eq!(a["usage"]["prompt_tokens"], want.len(), "{extra}");
+    }
+}
+
 /// A streamed answer: a role chunk, text chunks that add up to the whole answer, a last chunk with the
 /// finish reason, usage and statistics, then [DONE].
 #[test]

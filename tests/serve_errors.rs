@@ -109,6 +109,18 @@ fn bad_requests_get_openai_shaped_4xx_and_the_server_keeps_serving() {
             "unknown field",
         ),
         (
+            "chat_template_kwargs not an object",
+            json!({"messages": user, "chat_template_kwargs": [true]}).to_string(),
+            400,
+            "an object of template variables",
+        ),
+        (
+            "chat_template_kwargs replacing the messages",
+            json!({"messages": user, "chat_template_kwargs": {"messages": []}}).to_string(),
+            400,
+            "'messages' is set by probespec itself",
+        ),
+        (
             "ends with the assistant",
             json!({"messages": [{"role": "user", "content": "w1"}, {"role": "assistant", "content": "w2"}]}).to_string(),
             400,

@@ -9,7 +9,7 @@ use crate::decode::generate::GenerateParams;
 use crate::decode::method::{Budget, Method};
 use crate::decode::sampling::SamplingParams;
 use crate::session::Session;
-use crate::tokenizer::Message;
+use crate::tokenizer::{check_template_vars, Message, TemplateVars};
 use clap::ValueEnum;
 use serde::Deserialize;
 use serde_json::Value;
@@ -83,6 +83,9 @@ pub struct Common {
 #[derive(Debug, Deserialize)]
 pub struct ChatRequest {
     pub messages: Vec<ChatMessage>,
+    /// Variables for the chat template over the server's `--chat-template-kwargs` (vLLM's field), e.g.
+    /// `{"enable_thinking": false}`.
+    pub chat_template_kwargs: Option<Value>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -264,9 +267,23 @@ pub fn chat_messages(messages: &[ChatMessage]) -> Result<Vec<Message>, ApiError>
 /// A chat request -> its job: the messages through the chat template (with the generation prompt).
 pub fn chat_job(req: &ChatRequest, session: &Session, d: &Defaults) -> Result<Parsed, ApiError> {
     let messages = chat_messages(&req.messages)?;
+    let vars = match &req.chat_template_kwargs {
+        None | Some(Value::Null) => TemplateVars::new(),
+        Some(Value::Object(vars)) => {
+            check_template_vars(vars)
+                .map_err(|e| ApiError::invalid_param("chat_template_kwargs", format!("{e:#}")))?;
+            vars.clone()
+        }
+        Some(_) => {
+            return Err(ApiError::invalid_param(
+                "chat_template_kwargs",
+                "an object of template variables, e.g. {\"enable_thinking\": false}",
+            ))
+        }
+    };
     let text = session
         .tokenizer
-        .apply_chat_template(&messages, true)
+        .apply_chat_template_with(&messages, true, &vars)
         .map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
     let prompt = encode(session, &text)?;
     job(&req.common, prompt, session, d)

@@ -224,7 +224,7 @@ impl TinySpec {
             "bos_token": "<s>",
             "eos_token": "</s>",
             "add_bos_token": false,
-            "chat_template": "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}{% if add_generation_prompt %}w4 {% endif %}"
+            "chat_template": "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} <|im_end|> {% endfor %}{% if add_generation_prompt %}w4 {% if enable_thinking is defined and enable_thinking is false %}w5 {% endif %}{% endif %}"
         });
         std::fs::write(dir.join("tokenizer_config.json"), tcfg.to_string()).unwrap();
     }
