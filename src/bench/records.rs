@@ -8,6 +8,7 @@
 
 use crate::decode::generate::FinishReason;
 use crate::decode::method::{Budget, MethodKind};
+use crate::tokenizer::TemplateVars;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, HashSet};
@@ -224,6 +225,9 @@ pub struct Settings {
     pub mask_lambda: f64,
     pub seed: u64,
     pub system: Option<String>,
+    /// `--chat-template-kwargs` (absent when none, as in older runs).
+    #[serde(default, skip_serializing_if = "TemplateVars::is_empty")]
+    pub chat_template_kwargs: TemplateVars,
     pub questions_file: String,
     /// FNV-1a 64 of the question file's bytes.
     pub questions_hash: String,
@@ -295,11 +299,14 @@ pub fn setting_differences(a: &Settings, b: &Settings, ignore: &[&str]) -> Vec<S
     let (Some(ma), Some(mb)) = (va.as_object(), vb.as_object()) else {
         return Vec::new();
     };
-    ma.iter()
-        .filter(|(k, _)| !ignore.contains(&k.as_str()))
-        .filter_map(|(k, x)| {
+    // Over both runs' fields: one left out where empty (`chat_template_kwargs`) is in only one of them.
+    let keys: std::collections::BTreeSet<&String> = ma.keys().chain(mb.keys()).collect();
+    keys.into_iter()
+        .filter(|k| !ignore.contains(&k.as_str()))
+        .filter_map(|k| {
+            let x = ma.get(k).cloned().unwrap_or_default();
             let y = mb.get(k).cloned().unwrap_or_default();
-            (x != &y).then(|| format!("{k}: {x} vs {y}"))
+            (x != y).then(|| format!("{k}: {x} vs {y}"))
         })
         .collect()
 }
@@ -383,5 +390,20 @@ mod tests {
         let diffs = setting_differences(&s, &bf16, &[]);
         assert_eq!(diffs.len(), 1, "{diffs:?}");
         assert!(diffs[0].starts_with("kv_cache"), "{diffs:?}");
+        // Template variables: none in older runs, and a run with some differs from one without, either way.
+        assert!(s.chat_template_kwargs.is_empty());
+        let no_thinking = Settings {
+            chat_template_kwargs: crate::tokenizer::parse_template_vars(r#"{"enable_thinking": false}"#)
+                .unwrap(),
+            ..s.clone()
+        };
+        for (a, b) in [(&s, &no_thinking), (&no_thinking, &s)] {
+            let diffs = setting_differences(a, b, &[]);
+            assert_eq!(diffs.len(), 1, "{diffs:?}");
+            assert!(diffs[0].starts_with("chat_template_kwargs"), "{diffs:?}");
+        }
+        assert!(!serde_json::to_string(&s)
+            .unwrap()
+            .contains("chat_template_kwargs"));
     }
 }

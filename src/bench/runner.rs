@@ -291,6 +291,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
             .unwrap_or(f64::from(a.mask_lambda)),
         seed: a.seed,
         system: a.system.clone(),
+        chat_template_kwargs: a.model.chat_template_vars.clone(),
         questions_file,
         questions_hash,
         categories: a.categories.clone(),
