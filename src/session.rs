@@ -7,8 +7,9 @@ use crate::decode::method::Method;
 use crate::model::load::{load_model, Activations, LoadOptions, ModelSource};
 use crate::model::Transformer;
 use crate::tokenizer::{Message, TemplateVars, TextTokenizer};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
+use std::path::PathBuf;
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -64,6 +65,8 @@ pub struct ModelOptions {
     pub kv_dtype: Option<DType>,
     /// Variables every chat-template rendering passes (`--chat-template-kwargs`).
     pub chat_template_vars: TemplateVars,
+    /// A Jinja chat template to use instead of the model's (`--chat-template-file`).
+    pub chat_template_file: Option<PathBuf>,
 }
 
 impl ModelOptions {
@@ -133,6 +136,15 @@ pub struct Session {
 
 impl Session {
     pub fn load(opts: &ModelOptions) -> Result<Session> {
+        // Read before the model, so that a wrong path fails at once.
+        let chat_template = match &opts.chat_template_file {
+            Some(path) => Some((
+                path,
+                std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the chat template {}", path.display()))?,
+            )),
+            None => None,
+        };
         let device = opts.device.device()?;
         let dtype = opts.dtype_on(&device);
         let source = ModelSource::resolve(opts.model.as_deref())?;
@@ -171,6 +183,11 @@ impl Session {
         ));
         cost_cache::attach(&model, cost_store.clone());
         let mut tokenizer = loaded.tokenizer;
+        if let Some((path, source)) = chat_template {
+            tokenizer
+                .set_chat_template(source)
+                .with_context(|| path.display().to_string())?;
+        }
         tokenizer.set_chat_template_vars(opts.chat_template_vars.clone())?;
         Ok(Session {
             model,

@@ -161,6 +161,61 @@ fn prompt_longer_than_the_context_window() {
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
 }
 
+/// `--chat-template-file` replaces the model's template, with `--chat-template-kwargs` reaching it; a
+/// missing or uncompilable file is one line, before any model is loaded.
+#[test]
+fn a_chat_template_file_replaces_the_models() {
+    let d = tiny_dir();
+    let m = d.path().to_str().unwrap();
+    let file = d.path().join("my.jinja");
+    std::fs::write(
+        &file,
+        "{% for m in messages %}[{{ m.role }}|{{ m.content }}]{% endfor %}{% if add_generation_prompt %}{{ greeting | default('go') }}:{% endif %}",
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let prompt = |extra: &[&str]| {
+        let mut args = vec!["--model", m, "--print-prompt", "--chat-template-file", f];
+        args.extend_from_slice(extra);
+        args.push("w5 w6");
+        probespec(&args).ok().stdout
+    };
+    assert_eq!(prompt(&[]).trim_end(), "[user|w5 w6]go:");
+    assert_eq!(
+        prompt(&[
+            "--system",
+            "w7",
+            "--chat-template-kwargs",
+            r#"{"greeting": "hi"}"#
+        ])
+        .trim_end(),
+        "[system|w7][user|w5 w6]hi:"
+    );
+    let missing = d.path().join("none.jinja");
+    errors_with(
+        &[
+            "--model",
+            m,
+            "--chat-template-file",
+            missing.to_str().unwrap(),
+            "w5",
+        ],
+        "reading the chat template",
+    );
+    let broken = d.path().join("broken.jinja");
+    std::fs::write(&broken, "{% for m in messages %}\n{{ m.content }\n").unwrap();
+    errors_with(
+        &[
+            "--model",
+            m,
+            "--chat-template-file",
+            broken.to_str().unwrap(),
+            "w5",
+        ],
+        "cannot be compiled",
+    );
+}
+
 #[test]
 fn non_utf8_stdin() {
     let d = tiny_dir();

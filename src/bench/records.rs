@@ -228,6 +228,9 @@ pub struct Settings {
     /// `--chat-template-kwargs` (absent when none, as in older runs).
     #[serde(default, skip_serializing_if = "TemplateVars::is_empty")]
     pub chat_template_kwargs: TemplateVars,
+    /// `--chat-template-file` as given, and the FNV-1a 64 of its bytes (absent when none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_file: Option<String>,
     pub questions_file: String,
     /// FNV-1a 64 of the question file's bytes.
     pub questions_hash: String,
@@ -402,8 +405,12 @@ mod tests {
             assert_eq!(diffs.len(), 1, "{diffs:?}");
             assert!(diffs[0].starts_with("chat_template_kwargs"), "{diffs:?}");
         }
-        assert!(!serde_json::to_string(&s)
-            .unwrap()
-            .contains("chat_template_kwargs"));
+        let own_template = Settings {
+            chat_template_file: Some("t.jinja (0123456789abcdef)".into()),
+            ..s.clone()
+        };
+        assert_eq!(setting_differences(&own_template, &s, &[]).len(), 1);
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(!json.contains("chat_template"), "{json}");
     }
 }

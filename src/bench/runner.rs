@@ -5,7 +5,7 @@
 //! method alike instead of favouring whichever ran in the cooler hour.
 
 use super::facts;
-use super::questions::{questions_or_bundled, select, Question, Selection};
+use super::questions::{fnv1a_hex, questions_or_bundled, select, Question, Selection};
 use super::records::{
     complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
     Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
@@ -292,6 +292,14 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         seed: a.seed,
         system: a.system.clone(),
         chat_template_kwargs: a.model.chat_template_vars.clone(),
+        chat_template_file: match &a.model.chat_template_file {
+            Some(path) => {
+                let bytes = std::fs::read(path)
+                    .with_context(|| format!("reading the chat template {}", path.display()))?;
+                Some(format!("{} ({})", path.display(), fnv1a_hex(&bytes)))
+            }
+            None => None,
+        },
         questions_file,
         questions_hash,
         categories: a.categories.clone(),

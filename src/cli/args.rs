@@ -47,6 +47,10 @@ pub struct ModelArgs {
     /// keyword arguments), e.g. '{"enable_thinking": false}' to turn Qwen 3's thinking off.
     #[arg(long, value_name = "JSON", value_parser = template_vars_arg)]
     pub chat_template_kwargs: Option<TemplateVars>,
+    /// A Jinja chat template to use instead of the model's (for a checkpoint without one, or another
+    /// variant of it), as transformers renders templates.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template_file: Option<std::path::PathBuf>,
 }
 
 fn template_vars_arg(json: &str) -> Result<TemplateVars, String> {
@@ -97,6 +101,7 @@ impl ModelArgs {
                 KvCacheArg::Bf16 => DType::BF16,
             }),
             chat_template_vars: self.chat_template_kwargs.clone().unwrap_or_default(),
+            chat_template_file: self.chat_template_file.clone(),
         }
     }
 }

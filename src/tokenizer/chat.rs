@@ -66,6 +66,11 @@ impl ChatTemplate {
         Self { env, compile_error }
     }
 
+    /// Why the template could not be compiled, if it could not.
+    pub(crate) fn compile_error(&self) -> Option<&str> {
+        self.compile_error.as_deref()
+    }
+
     /// Renders `messages` with `bos_token`/`eos_token` defined, no tools, and the template's own
     /// variables `vars` (checked by [`check_template_vars`]), as transformers' `apply_chat_template(...,
     /// **kwargs)`.

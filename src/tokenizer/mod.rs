@@ -253,6 +253,19 @@ impl TextTokenizer {
         )
     }
 
+    /// Replaces the model's chat template with the Jinja `source` (`--chat-template-file`); fails if
+    /// minijinja cannot compile it.
+    pub fn set_chat_template(&mut self, source: String) -> Result<()> {
+        let tmpl = ChatTemplate::new(source);
+        if let Some(e) = tmpl.compile_error() {
+            // The first line says what and where; minijinja's debug listing of the source follows it.
+            let what = e.lines().next().unwrap_or_default();
+            bail!("the chat template cannot be compiled: {what}");
+        }
+        self.chat_template = Some(tmpl);
+        Ok(())
+    }
+
     /// Sets the variables every rendering passes to the chat template (Qwen 3's `enable_thinking`, ...).
     pub fn set_chat_template_vars(&mut self, vars: TemplateVars) -> Result<()> {
         check_template_vars(&vars)?;
