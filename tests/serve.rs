@@ -261,6 +261,74 @@ fn chat_template_kwargs_reach_the_prompt() {
     }
 }
 
+/// `--reasoning-format deepseek`: a template that opens a thinking block for the model puts the whole
+/// answer (never closed by this tiny model) in `reasoning_content`, whole and streamed, and it is the CLI's
+/// text; a prompt that opens none keeps the answer in `content`.
+#[test]
+fn reasoning_format_deepseek_sends_thinking_apart() {
+    let (dir, _) = tiny();
+    let model = dir.path().to_str().unwrap();
+    let template = dir.path().join("think.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content }} {% endfor %}w4 {% if opens %}<think>\n{% endif %}",
+    )
+    .unwrap();
+    let t = template.to_str().unwrap();
+    let s = Server::start(&[
+        "--model",
+        model,
+        "--chat-template-file",
+        t,
+        "--reasoning-format",
+        "deepseek",
+    ]);
+    let user = [Message::new("user", "w30 w31")];
+    for opens in [true, false] {
+        let kwargs = format!(r#"{{"opens": {opens}}}"#);
+        let cli = common::binary::probespec(&[
+            "--model",
+            model,
+            "--json",
+            "--max-new-tokens",
+            "12",
+            "--chat-template-file",
+            t,
+            "--chat-template-kwargs",
+            &kwargs,
+            "w30 w31",
+        ])
+        .ok();
+        let cli: Value = serde_json::from_str(cli.stdout.trim()).unwrap();
+        let text = cli["text"].as_str().unwrap();
+        assert!(!text.is_empty() && !text.contains("think>"), "{text}");
+        let extra = json!({"max_tokens": 12, "chat_template_kwargs": {"opens": opens}});
+        let whole = s.ok("/v1/chat/completions", &chat_body(&user, extra.clone()));
+        let message = &whole["choices"][0]["message"];
+        let (thinking, reply) = if opens {
+            (json!(text), json!(""))
+        } else {
+            (Value::Null, json!(text))
+        };
+        assert_eq!(message["reasoning_content"], thinking, "opens {opens}: {message}");
+        assert_eq!(message["content"], reply, "opens {opens}: {message}");
+        let mut body = chat_body(&user, extra);
+        body["stream"] = json!(true);
+        let chunks = s.stream("/v1/chat/completions", &body);
+        let field = |name: &str| -> String {
+            chunks
+                .iter()
+                .filter_map(|c| c["choices"][0]["delta"].get(name).and_then(Value::as_str))
+                .collect()
+        };
+        let (thinking, reply) = if opens { (text, "") } else { ("", text) };
+        assert_eq!(
+            (field("reasoning_content").as_str(), field("content").as_str()),
+            (thinking, reply)
+        );
+    }
+}
+
 /// A streamed answer: a role chunk, text chunks that add up to the whole answer, a last chunk with the
 /// finish reason, usage and statistics, then [DONE].
 #[test]

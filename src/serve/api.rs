@@ -201,6 +201,8 @@ pub struct JobSpec {
 pub struct Parsed {
     pub spec: JobSpec,
     pub stream: bool,
+    /// The rendered prompt ends inside a `<think>` block (a template that opens it for the model).
+    pub prompt_opens_thinking: bool,
 }
 
 /// Parses a JSON body into `T`, as a 400 on any error.
@@ -286,7 +288,9 @@ pub fn chat_job(req: &ChatRequest, session: &Session, d: &Defaults) -> Result<Pa
         .apply_chat_template_with(&messages, true, &vars)
         .map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
     let prompt = encode(session, &text)?;
-    job(&req.common, prompt, session, d)
+    let mut parsed = job(&req.common, prompt, session, d)?;
+    parsed.prompt_opens_thinking = text.trim_end().ends_with("<think>");
+    Ok(parsed)
 }
 
 /// A completion request -> its job: the prompt as it is, no template (one-shot's --no-chat-template).
@@ -408,6 +412,7 @@ fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<
             stop,
         },
         stream: c.stream == Some(true),
+        prompt_opens_thinking: false,
     })
 }
 

@@ -4,7 +4,7 @@
 use crate::cli::{MethodArgs, ModelArgs};
 use crate::decode::sampling::SamplingParams;
 use anyhow::{bail, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 /// Environment variable read for the API key when `--api-key` is not given.
 pub const API_KEY_ENV: &str = "PROBESPEC_API_KEY";
@@ -26,6 +26,11 @@ pub struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// How a chat answer's thinking (a `<think>` block, as Qwen 3's) is sent: none (in the content, as the
+    /// one-shot CLI prints it) or deepseek (apart, in `reasoning_content`, as vLLM's and llama.cpp's
+    /// reasoning parsers send it).
+    #[arg(long, value_enum, default_value_t = ReasoningFormat::None)]
+    pub reasoning_format: ReasoningFormat,
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
@@ -45,6 +50,13 @@ pub struct ServeArgs {
     /// Default of a request without seed (the one-shot default).
     #[arg(long, default_value_t = 299792458)]
     pub seed: u64,
+}
+
+/// Where a chat answer's thinking goes (`--reasoning-format`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReasoningFormat {
+    None,
+    Deepseek,
 }
 
 impl ServeArgs {

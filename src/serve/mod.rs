@@ -9,12 +9,14 @@
 //!
 //! Modules: [`args`] (flags), [`api`] (request bodies -> jobs), [`queue`] (the queue, events, counters),
 //! [`worker`] (the decoding thread), [`stop`] (stop strings), [`respond`] (answers and streamed chunks),
+//! [`reasoning`] (a chat answer's thinking apart from its reply),
 //! [`routes`] (HTTP routes, API key), [`error`] (OpenAI-shaped errors).
 
 pub mod api;
 pub mod args;
 pub mod error;
 pub mod queue;
+pub mod reasoning;
 pub mod respond;
 pub mod routes;
 pub mod stop;
@@ -55,6 +57,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             api_key,
             started: respond::unix_now(),
             max_body: a.max_body,
+            reasoning: a.reasoning_format == args::ReasoningFormat::Deepseek,
         };
         eprintln!(
             "probespec serve: {} | {} | {} | listening on http://{addr}",

@@ -4,11 +4,13 @@
 
 use super::error::ApiError;
 use super::queue::{Event, Outcome};
+use super::reasoning::{Piece, ThinkSplitter};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::stream::{self, Stream};
 use serde_json::{json, Value};
+use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -28,6 +30,9 @@ pub struct Envelope {
     pub id: String,
     pub created: u64,
     pub model: String,
+    /// A chat answer's thinking goes to `reasoning_content` (`--reasoning-format deepseek`): `Some(open)`,
+    /// `open` when the prompt already opened the thinking block.
+    pub thinking: Option<bool>,
 }
 
 /// Seconds since the Unix epoch.
@@ -50,6 +55,7 @@ impl Envelope {
             id: format!("{prefix}-{created:x}{:06}", NEXT.fetch_add(1, Ordering::Relaxed)),
             created,
             model: model.to_string(),
+            thinking: None,
         }
     }
 
@@ -75,12 +81,22 @@ impl Envelope {
     /// The whole answer as one object.
     pub fn complete(&self, o: &Outcome) -> Value {
         let choice = match self.endpoint {
-            Endpoint::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": o.text},
-                "logprobs": null,
-                "finish_reason": o.finish_reason,
-            }),
+            Endpoint::Chat => {
+                let message = match self.thinking {
+                    None => json!({"role": "assistant", "content": o.text}),
+                    Some(open) => {
+                        let (reasoning, content) = ThinkSplitter::split(&o.text, open);
+                        let reasoning = (!reasoning.is_empty()).then_some(reasoning);
+                        json!({"role": "assistant", "content": content, "reasoning_content": reasoning})
+                    }
+                };
+                json!({
+                    "index": 0,
+                    "message": message,
+                    "logprobs": null,
+                    "finish_reason": o.finish_reason,
+                })
+            }
             Endpoint::Completion => json!({
                 "index": 0,
                 "text": o.text,
@@ -96,19 +112,41 @@ impl Envelope {
 
     /// A chunk of streamed text (`None`: the chat stream's first chunk, which names the role).
     fn chunk(&self, text: Option<&str>) -> Value {
+        self.chunk_of(text.map(|t| Piece::Content(t.to_string())))
+    }
+
+    /// A chunk of a streamed answer's reply or thinking (`None`: the chat stream's first chunk).
+    fn chunk_of(&self, piece: Option<Piece>) -> Value {
         let choice = match self.endpoint {
             Endpoint::Chat => {
-                let delta = match text {
+                let delta = match piece {
                     None => json!({"role": "assistant", "content": ""}),
-                    Some(t) => json!({"content": t}),
+                    Some(Piece::Content(t)) => json!({"content": t}),
+                    Some(Piece::Reasoning(t)) => json!({"reasoning_content": t}),
                 };
                 json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": null})
             }
             Endpoint::Completion => {
-                json!({"index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": null})
+                let text = match piece {
+                    Some(Piece::Content(t) | Piece::Reasoning(t)) => t,
+                    None => String::new(),
+                };
+                json!({"index": 0, "text": text, "logprobs": null, "finish_reason": null})
             }
         };
         self.wrap(true, choice)
+    }
+
+    /// The chunks of one streamed event: its text as one chunk, or, splitting thinking from reply, the
+    /// pieces it completes (none while a tag may be under way; the held-back rest with the last event).
+    fn event_chunks(&self, splitter: &mut Option<ThinkSplitter>, event: &Event) -> Vec<Value> {
+        let pieces = match (event, splitter.as_mut()) {
+            (Event::Text(t), None) => return vec![self.chunk(Some(t))],
+            (Event::Text(t), Some(s)) => s.push(t),
+            (Event::Done(_), Some(_)) => splitter.take().map(ThinkSplitter::finish).unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        pieces.into_iter().map(|p| self.chunk_of(Some(p))).collect()
     }
 
     /// The last chunk: the finish reason, usage and statistics.
@@ -183,25 +221,48 @@ fn data(v: &Value) -> Result<SseEvent, Infallible> {
 
 /// The answer as server-sent events: a chunk per piece of committed text, as it comes.
 pub fn stream(envelope: Envelope, events: UnboundedReceiver<Event>) -> Response {
-    let body = stream::unfold((Phase::Start, events), move |(phase, mut events)| {
+    let splitter = envelope.thinking.map(ThinkSplitter::new);
+    let start = Streamed {
+        phase: Phase::Start,
+        events,
+        splitter,
+        ready: VecDeque::new(),
+    };
+    let body = stream::unfold(start, move |mut st| {
         let envelope = envelope.clone();
         async move {
-            match phase {
+            if let Some(v) = st.ready.pop_front() {
+                return Some((data(&v), st));
+            }
+            match st.phase {
                 Phase::Start if envelope.endpoint == Endpoint::Chat => {
-                    Some((data(&envelope.chunk(None)), (Phase::Body, events)))
+                    st.phase = Phase::Body;
+                    Some((data(&envelope.chunk(None)), st))
                 }
-                Phase::Start | Phase::Body => match events.recv().await {
-                    Some(Event::Text(t)) => Some((data(&envelope.chunk(Some(&t))), (Phase::Body, events))),
-                    Some(Event::Done(o)) => Some((data(&envelope.last_chunk(&o)), (Phase::Finished, events))),
-                    Some(Event::Failed(m)) => {
-                        Some((data(&ApiError::internal(m).body()), (Phase::Finished, events)))
+                Phase::Start | Phase::Body => {
+                    st.phase = Phase::Body;
+                    // Until a chunk is ready: an event may complete none (a tag under way).
+                    while st.ready.is_empty() {
+                        let event = st.events.recv().await;
+                        if let Some(e) = &event {
+                            st.ready.extend(envelope.event_chunks(&mut st.splitter, e));
+                        }
+                        let last = match event {
+                            Some(Event::Text(_)) => continue,
+                            Some(Event::Done(o)) => envelope.last_chunk(&o),
+                            Some(Event::Failed(m)) => ApiError::internal(m).body(),
+                            None => ApiError::internal("the decoding thread dropped the request").body(),
+                        };
+                        st.ready.push_back(last);
+                        st.phase = Phase::Finished;
                     }
-                    None => Some((
-                        data(&ApiError::internal("the decoding thread dropped the request").body()),
-                        (Phase::Finished, events),
-                    )),
-                },
-                Phase::Finished => Some((Ok(SseEvent::default().data("[DONE]")), (Phase::Over, events))),
+                    let v = st.ready.pop_front()?;
+                    Some((data(&v), st))
+                }
+                Phase::Finished => {
+                    st.phase = Phase::Over;
+                    Some((Ok(SseEvent::default().data("[DONE]")), st))
+                }
                 Phase::Over => None,
             }
         }
@@ -209,6 +270,109 @@ pub fn stream(envelope: Envelope, events: UnboundedReceiver<Event>) -> Response 
     sse(body)
 }
 
+/// A streamed answer's state between events.
+struct Streamed {
+    phase: Phase,
+    events: UnboundedReceiver<Event>,
+    /// Splits thinking from reply (`--reasoning-format deepseek`).
+    splitter: Option<ThinkSplitter>,
+    /// Chunks made and not yet sent.
+    ready: VecDeque<Value>,
+}
+
 fn sse(body: impl Stream<Item = Result<SseEvent, Infallible>> + Send + 'static) -> Response {
     Sse::new(body).keep_alive(KeepAlive::default()).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::method::MethodKind;
+    use crate::decode::stats::DecodeStats;
+
+    fn outcome(text: &str) -> Outcome {
+        Outcome {
+            text: text.to_string(),
+            tokens: vec![1, 2, 3],
+            finish_reason: "stop",
+            stats: DecodeStats::new(MethodKind::Ar),
+            prompt_tokens: 5,
+            cached_tokens: 0,
+            queue_seconds: 0.0,
+        }
+    }
+
+    fn chat(thinking: Option<bool>) -> Envelope {
+        Envelope {
+            thinking,
+            ..Envelope::new(Endpoint::Chat, "m")
+        }
+    }
+
+    /// The streamed chunks' deltas of `parts` (the last event `Done` with their whole text).
+    fn deltas(e: &Envelope, parts: &[&str]) -> Vec<Value> {
+        let mut splitter = e.thinking.map(ThinkSplitter::new);
+        let mut events: Vec<Event> = parts.iter().map(|p| Event::Text(p.to_string())).collect();
+        events.push(Event::Done(Box::new(outcome(&parts.concat()))));
+        events
+            .iter()
+            .flat_map(|ev| e.event_chunks(&mut splitter, ev))
+            .map(|v| v["choices"][0]["delta"].clone())
+            .collect()
+    }
+
+    #[test]
+    fn thinking_goes_to_reasoning_content_only_when_asked() {
+        let text = "<think>\nhm\n</think>\n\nParis.";
+        let plain = chat(None).complete(&outcome(text));
+        assert_eq!(
+            plain["choices"][0]["message"],
+            json!({"role": "assistant", "content": text})
+        );
+        let apart = chat(Some(false)).complete(&outcome(text));
+        assert_eq!(
+            apart["choices"][0]["message"],
+            json!({"role": "assistant", "content": "Paris.", "reasoning_content": "\nhm\n"})
+        );
+        let no_thinking = chat(Some(false)).complete(&outcome("Paris."));
+        assert_eq!(
+            no_thinking["choices"][0]["message"]["reasoning_content"],
+            Value::Null
+        );
+        let opened_by_the_prompt = chat(Some(true)).complete(&outcome("hm</think>Paris."));
+        assert_eq!(
+            opened_by_the_prompt["choices"][0]["message"]["reasoning_content"],
+            "hm"
+        );
+        assert_eq!(opened_by_the_prompt["choices"][0]["message"]["content"], "Paris.");
+    }
+
+    #[test]
+    fn streamed_thinking_arrives_in_reasoning_deltas_and_adds_up_to_the_whole() {
+        let parts = ["<thi", "nk>\nh", "m\n</th", "ink>", "\n\n", "Par", "is."];
+        let e = chat(Some(false));
+        let got = deltas(&e, &parts);
+        let field = |name: &str| -> String {
+            got.iter()
+                .filter_map(|d| d.get(name).and_then(Value::as_str))
+                .collect()
+        };
+        let whole = e.complete(&outcome(&parts.concat()));
+        assert_eq!(
+            field("reasoning_content"),
+            whole["choices"][0]["message"]["reasoning_content"]
+        );
+        assert_eq!(field("content"), whole["choices"][0]["message"]["content"]);
+        // No chunk is empty, none carries both fields, none is sent while a tag may be under way.
+        for d in &got {
+            let fields: Vec<&String> = d.as_object().unwrap().keys().collect();
+            assert_eq!(fields.len(), 1, "{d}");
+            assert_ne!(d[fields[0]], "", "{d}");
+        }
+        assert_eq!(got[0], json!({"reasoning_content": "\nh"}));
+        // Without the flag every event is one content chunk, tags included.
+        let plain: Vec<Value> = deltas(&chat(None), &parts);
+        assert_eq!(plain.len(), parts.len());
+        assert_eq!(plain[0], json!({"content": "<thi"}));
+    }
 }

@@ -29,6 +29,8 @@ pub struct AppState {
     pub started: u64,
     /// The longest request body accepted, in bytes (`--max-body`).
     pub max_body: usize,
+    /// Send a chat answer's thinking apart, in `reasoning_content` (`--reasoning-format deepseek`).
+    pub reasoning: bool,
 }
 
 type Shared = Arc<AppState>;
@@ -147,7 +149,10 @@ async fn answer(state: &AppState, endpoint: Endpoint, parsed: Result<api::Parsed
         Ok(rx) => rx,
         Err(e) => return e.into_response(),
     };
-    let envelope = Envelope::new(endpoint, &state.model_id);
+    let mut envelope = Envelope::new(endpoint, &state.model_id);
+    if state.reasoning && endpoint == Endpoint::Chat {
+        envelope.thinking = Some(parsed.prompt_opens_thinking);
+    }
     if parsed.stream {
         respond::stream(envelope, events)
     } else {
