@@ -6,7 +6,7 @@ use crate::decode::generate::{generate, GenerateParams, Generation};
 use crate::decode::method::Method;
 use crate::model::load::{load_model, Activations, LoadOptions, ModelSource};
 use crate::model::Transformer;
-use crate::tokenizer::{Message, TemplateVars, TextTokenizer};
+use crate::tokenizer::{check_chat_template, Message, TemplateVars, TextTokenizer};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use std::path::PathBuf;
@@ -136,13 +136,14 @@ pub struct Session {
 
 impl Session {
     pub fn load(opts: &ModelOptions) -> Result<Session> {
-        // Read before the model, so that a wrong path fails at once.
+        // Read and compiled before the model loads, so that a wrong file fails at once.
         let chat_template = match &opts.chat_template_file {
-            Some(path) => Some((
-                path,
-                std::fs::read_to_string(path)
-                    .with_context(|| format!("reading the chat template {}", path.display()))?,
-            )),
+            Some(path) => {
+                let source = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading the chat template {}", path.display()))?;
+                check_chat_template(&source).with_context(|| path.display().to_string())?;
+                Some((path, source))
+            }
             None => None,
         };
         let device = opts.device.device()?;

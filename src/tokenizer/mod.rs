@@ -22,6 +22,21 @@ pub use chat::{check_template_vars, parse_template_vars, Message, TemplateVars};
 pub(crate) use gguf::{LLAMA3_SPLIT, QWEN2_SPLIT};
 pub use stream::StreamDecoder;
 
+/// Fails, in one line, if minijinja cannot compile the chat template `source`.
+pub fn check_chat_template(source: &str) -> Result<()> {
+    compiled(source.to_string()).map(drop)
+}
+
+fn compiled(source: String) -> Result<ChatTemplate> {
+    let tmpl = ChatTemplate::new(source);
+    if let Some(e) = tmpl.compile_error() {
+        // The first line says what and where; minijinja's debug listing of the source follows it.
+        let what = e.lines().next().unwrap_or_default();
+        bail!("the chat template cannot be compiled: {what}");
+    }
+    Ok(tmpl)
+}
+
 /// Tokens that end an assistant turn in the supported families (ChatML, LLaMA 3, GPT-2 style,
 /// SentencePiece, Phi). Those present in the vocabulary are stop tokens besides the EOS ids.
 const END_OF_TURN_TOKENS: [&str; 6] = [
@@ -256,13 +271,7 @@ impl TextTokenizer {
     /// Replaces the model's chat template with the Jinja `source` (`--chat-template-file`); fails if
     /// minijinja cannot compile it.
     pub fn set_chat_template(&mut self, source: String) -> Result<()> {
-        let tmpl = ChatTemplate::new(source);
-        if let Some(e) = tmpl.compile_error() {
-            // The first line says what and where; minijinja's debug listing of the source follows it.
-            let what = e.lines().next().unwrap_or_default();
-            bail!("the chat template cannot be compiled: {what}");
-        }
-        self.chat_template = Some(tmpl);
+        self.chat_template = Some(compiled(source)?);
         Ok(())
     }
 
