@@ -6,7 +6,7 @@ use crate::decode::generate::{generate, GenerateParams, Generation};
 use crate::decode::method::Method;
 use crate::model::load::{load_model, Activations, LoadOptions, ModelSource};
 use crate::model::Transformer;
-use crate::tokenizer::{check_chat_template, Message, TemplateVars, TextTokenizer};
+use crate::tokenizer::{compile_chat_template, Message, TemplateVars, TextTokenizer};
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
 use std::path::PathBuf;
@@ -141,8 +141,7 @@ impl Session {
             Some(path) => {
                 let source = std::fs::read_to_string(path)
                     .with_context(|| format!("reading the chat template {}", path.display()))?;
-                check_chat_template(&source).with_context(|| path.display().to_string())?;
-                Some((path, source))
+                Some(compile_chat_template(source).with_context(|| path.display().to_string())?)
             }
             None => None,
         };
@@ -184,10 +183,8 @@ impl Session {
         ));
         cost_cache::attach(&model, cost_store.clone());
         let mut tokenizer = loaded.tokenizer;
-        if let Some((path, source)) = chat_template {
-            tokenizer
-                .set_chat_template(source)
-                .with_context(|| path.display().to_string())?;
+        if let Some(template) = chat_template {
+            tokenizer.set_chat_template(template);
         }
         tokenizer.set_chat_template_vars(opts.chat_template_vars.clone())?;
         Ok(Session {

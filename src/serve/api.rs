@@ -289,7 +289,7 @@ pub fn chat_job(req: &ChatRequest, session: &Session, d: &Defaults) -> Result<Pa
         .map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
     let prompt = encode(session, &text)?;
     let mut parsed = job(&req.common, prompt, session, d)?;
-    parsed.prompt_opens_thinking = text.trim_end().ends_with("<think>");
+    parsed.prompt_opens_thinking = super::reasoning::opens_thinking(&text);
     Ok(parsed)
 }
 

@@ -110,15 +110,25 @@ impl ThinkSplitter {
         let mut s = ThinkSplitter::new(open);
         let mut pieces = s.push(text);
         pieces.extend(s.finish());
-        let (mut reasoning, mut content) = (String::new(), String::new());
-        for p in pieces {
-            match p {
-                Piece::Reasoning(t) => reasoning.push_str(&t),
-                Piece::Content(t) => content.push_str(&t),
-            }
-        }
-        (reasoning, content)
+        gather(pieces)
     }
+}
+
+/// Whether a rendered prompt leaves the answer inside a thinking block (the template opened it).
+pub fn opens_thinking(prompt: &str) -> bool {
+    prompt.trim_end().ends_with(OPEN)
+}
+
+/// The thinking and the reply of `pieces`, each joined in order.
+fn gather(pieces: impl IntoIterator<Item = Piece>) -> (String, String) {
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for p in pieces {
+        match p {
+            Piece::Reasoning(t) => reasoning.push_str(&t),
+            Piece::Content(t) => content.push_str(&t),
+        }
+    }
+    (reasoning, content)
 }
 
 /// Adds `p` unless its text is empty.
@@ -143,19 +153,12 @@ fn partial_tag_len(text: &str, tag: &str) -> usize {
 mod tests {
     use super::*;
 
-    /// The pieces of `text` streamed in `cuts`-separated parts, merged field by field.
+    /// The pieces of an answer streamed in `parts`, merged field by field.
     fn streamed(parts: &[&str], open: bool) -> (String, String) {
         let mut s = ThinkSplitter::new(open);
         let mut pieces: Vec<Piece> = parts.iter().flat_map(|p| s.push(p)).collect();
         pieces.extend(s.finish());
-        let (mut r, mut c) = (String::new(), String::new());
-        for p in pieces {
-            match p {
-                Piece::Reasoning(t) => r.push_str(&t),
-                Piece::Content(t) => c.push_str(&t),
-            }
-        }
-        (r, c)
+        gather(pieces)
     }
 
     #[test]

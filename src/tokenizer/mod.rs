@@ -22,12 +22,8 @@ pub use chat::{check_template_vars, parse_template_vars, Message, TemplateVars};
 pub(crate) use gguf::{LLAMA3_SPLIT, QWEN2_SPLIT};
 pub use stream::StreamDecoder;
 
-/// Fails, in one line, if minijinja cannot compile the chat template `source`.
-pub fn check_chat_template(source: &str) -> Result<()> {
-    compiled(source.to_string()).map(drop)
-}
-
-fn compiled(source: String) -> Result<ChatTemplate> {
+/// The chat template `source` compiled, or why minijinja cannot compile it, in one line.
+pub(crate) fn compile_chat_template(source: String) -> Result<ChatTemplate> {
     let tmpl = ChatTemplate::new(source);
     if let Some(e) = tmpl.compile_error() {
         // The first line says what and where; minijinja's debug listing of the source follows it.
@@ -268,11 +264,9 @@ impl TextTokenizer {
         )
     }
 
-    /// Replaces the model's chat template with the Jinja `source` (`--chat-template-file`); fails if
-    /// minijinja cannot compile it.
-    pub fn set_chat_template(&mut self, source: String) -> Result<()> {
-        self.chat_template = Some(compiled(source)?);
-        Ok(())
+    /// Replaces the model's chat template (`--chat-template-file`, [`compile_chat_template`]).
+    pub(crate) fn set_chat_template(&mut self, template: ChatTemplate) {
+        self.chat_template = Some(template);
     }
 
     /// Sets the variables every rendering passes to the chat template (Qwen 3's `enable_thinking`, ...).
