@@ -45,38 +45,10 @@ pub fn gpu_name() -> Option<String> {
     first_line(Command::new("nvidia-smi").args(["--query-gpu=name", "--format=csv,noheader", "-i", "0"]))
 }
 
-/// The short commit of the source this binary was built from, "+dirty" when it has uncommitted changes.
-/// Asked of git at run time, in the crate's source folder when it still exists (the binary may be run
-/// from anywhere), else in the current folder.
+/// The short commit of the source this binary was built from, "+dirty" when it had uncommitted changes
+/// (recorded by build.rs when the binary was built, not asked of the repository at run time).
 pub fn git_commit() -> String {
-    let src = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    let dir = if src.is_dir() {
-        src.to_path_buf()
-    } else {
-        std::path::PathBuf::from(".")
-    };
-    let Some(commit) =
-        first_line(
-            Command::new("git")
-                .arg("-C")
-                .arg(&dir)
-                .args(["rev-parse", "--short", "HEAD"]),
-        )
-    else {
-        return "unknown".into();
-    };
-    let dirty = Command::new("git")
-        .arg("-C")
-        .arg(&dir)
-        .args(["status", "--porcelain", "--untracked-files=no"])
-        .output()
-        .map(|o| o.status.success() && !o.stdout.is_empty())
-        .unwrap_or(false);
-    if dirty {
-        format!("{commit}+dirty")
-    } else {
-        commit
-    }
+    env!("PROBESPEC_GIT_COMMIT").to_string()
 }
 
 /// The command line, each argument shell-quoted when it needs to be, so it can be pasted back.
