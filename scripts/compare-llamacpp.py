@@ -81,6 +81,8 @@ def provenance():
     stamp = os.path.join(os.path.dirname(os.path.abspath(tools)), "amx")
     return {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": " ".join(["scripts/compare-llamacpp.py", *sys.argv[1:]]),
+        "rounds": a.rounds,
         "cpu": cpu,
         "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}),
         "probespec_binary": os.path.abspath(a.binary),

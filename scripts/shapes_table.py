@@ -140,65 +140,76 @@ def run(a, tools, run_cmd, prompt):
                 x["ps_rss"].append(rss)
             print(f"shapes, round {rnd + 1}/{a.rounds}: {label(f)}", file=sys.stderr)
 
-    n = a.rounds
-    if "A" in tables:
-        plain_table(a, files, m, n)
-    if "B" in tables:
-        cost_table(files, m, n)
-    if "C" in tables:
-        loading_table(files, m, n)
-    return {label(f): m[f] for f in files}
+    record = {label(f): {**m[f], "bytes": os.path.getsize(f)} for f in files}
+    for t in sorted(tables):
+        print("\n" + TABLES[t](record, a.rounds, a.threads))
+    return record
 
 
 def steady_ratios(x):
     """Paired ratios (probespec / llama.cpp tok/s) of the rounds whose three read-loop readings lie within
     15% of each other."""
-    rounds = zip(x["lc_tps"], x["ps_tps"], x["lc_read"], x["ps_read"], x["ps_read_after"])
+    rounds = zip(x["lc_tps"], x["ps_tps"], x["lc_read"], x["ps_read"], x.get("ps_read_after", []))
     return [p / l for l, p, *reads in rounds if None not in reads and min(reads) >= 0.85 * max(reads)]
 
 
-def plain_table(a, files, m, n):
-    print(f"\nA. Plain decoding, {NEW_TOKENS} new tokens, {a.threads} threads: tok/s, median of {n} (min-max)\n")
-    print("| file | llama-bench -n 64 | probespec --method ar | ratio | read loop GB/s | "
-          "bandwidth used, llama.cpp / probespec | ratio in steady rounds |")
-    print("|---|---|---|---|---|---|---|")
-    for f in files:
-        x = m[f]
+def plain_table(record, n, threads):
+    """Table A of a record (label -> measurements): plain decoding against llama-bench."""
+    lines = [f"A. Plain decoding, {NEW_TOKENS} new tokens, {threads} threads: tok/s, median of {n} (min-max)", "",
+             "| file | llama-bench -n 64 | probespec --method ar | ratio | read loop GB/s | "
+             "bandwidth used, llama.cpp / probespec | ratio in steady rounds |",
+             "|---|---|---|---|---|---|---|"]
+    for name, x in record.items():
+        if not x["ps_tps"]:
+            continue
         short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
-        gb = os.path.getsize(f) / 1e9
         reads = x["lc_read"] + x["ps_read"]
         readings, used = "n/a", "n/a"
-        if None not in reads:
+        if reads and None not in reads and "bytes" in x:
+            gb = x["bytes"] / 1e9
             readings = spread(reads)
             lc = med([gb * t / r for t, r in zip(x["lc_tps"], x["lc_read"])])
             ps = med([gb * t / r for t, r in zip(x["ps_tps"], x["ps_read"])])
             used = f"{lc:.0%} / {ps:.0%}"
         steady = steady_ratios(x)
-        paired = (f"{med(steady):.2f}x ({min(steady):.2f}-{max(steady):.2f}), {len(steady)} of {n}" if steady
+        paired = ("n/a" if not x.get("ps_read_after") else
+                  f"{med(steady):.2f}x ({min(steady):.2f}-{max(steady):.2f}), {len(steady)} of {n}" if steady
                   else f"none of {n}")
-        print(f"| {label(f)} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
-              f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {readings} | {used} | {paired} |")
+        lines.append(f"| {name} | {spread(x['lc_tps'])} | {spread(x['ps_tps'])}{short} | "
+                     f"{med(x['ps_tps']) / med(x['lc_tps']):.2f}x | {readings} | {used} | {paired} |")
+    return "\n".join(lines)
 
 
-def cost_table(files, m, n):
-    print(f"\nB. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
-          "and cost(8)/cost(1)\n")
-    print("| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |")
-    print("|---|---|---|---|---|")
-    for f in files:
-        x = m[f]
-        lc = " / ".join(f"{med(x['lc_ms'][r]):.1f}" for r in ROWS)
-        ps = " / ".join(f"{med(x['ps_ms'][r]):.1f}" for r in ROWS)
-        print(f"| {label(f)} | {lc} | {med(x['lc_ms'][8]) / med(x['lc_ms'][1]):.2f} | {ps} | "
-              f"{med(x['ps_ms'][8]) / med(x['ps_ms'][1]):.2f} |")
+def cost_table(record, n, threads):
+    """Table B of a record: the block cost after 256 cached tokens."""
+    lines = [f"B. Block cost after 256 cached tokens: ms per block of 1 / 4 / 8 / 16 rows (median of {n}), "
+             "and cost(8)/cost(1)", "",
+             "| file | llama-bench -d 256 | cost(8)/cost(1) | probespec cost | cost(8)/cost(1) |",
+             "|---|---|---|---|---|"]
+    for name, x in record.items():
+        ms = {k: {int(r): v for r, v in x[k].items()} for k in ("lc_ms", "ps_ms")}
+        if not ms["ps_ms"].get(1):
+            continue
+        lc = " / ".join(f"{med(ms['lc_ms'][r]):.1f}" for r in ROWS)
+        ps = " / ".join(f"{med(ms['ps_ms'][r]):.1f}" for r in ROWS)
+        lines.append(f"| {name} | {lc} | {med(ms['lc_ms'][8]) / med(ms['lc_ms'][1]):.2f} | {ps} | "
+                     f"{med(ms['ps_ms'][8]) / med(ms['ps_ms'][1]):.2f} |")
+    return "\n".join(lines)
 
 
-def loading_table(files, m, n):
-    print(f"\nC. Loading: wall time to the first token (s) and peak RSS (MiB), median of {n} (min-max)\n")
-    print("| file | llama-completion -c 4096 -n 1 | probespec --max-new-tokens 1 | ratio | "
-          "RSS llama.cpp | RSS probespec |")
-    print("|---|---|---|---|---|---|")
-    for f in files:
-        x = m[f]
-        print(f"| {label(f)} | {spread(x['lc_load'])} | {spread(x['ps_load'])} | "
-              f"{med(x['ps_load']) / med(x['lc_load']):.2f}x | {med(x['lc_rss']):.0f} | {med(x['ps_rss']):.0f} |")
+def loading_table(record, n, threads):
+    """Table C of a record: wall time to the first token and peak RSS."""
+    lines = [f"C. Loading: wall time to the first token (s) and peak RSS (MiB), median of {n} (min-max)", "",
+             "| file | llama-completion -c 4096 -n 1 | probespec --max-new-tokens 1 | ratio | "
+             "RSS llama.cpp | RSS probespec |",
+             "|---|---|---|---|---|---|"]
+    for name, x in record.items():
+        if not x.get("ps_load"):
+            continue
+        lines.append(f"| {name} | {spread(x['lc_load'])} | {spread(x['ps_load'])} | "
+                     f"{med(x['ps_load']) / med(x['lc_load']):.2f}x | {med(x['lc_rss']):.0f} | "
+                     f"{med(x['ps_rss']):.0f} |")
+    return "\n".join(lines)
+
+
+TABLES = {"A": plain_table, "B": cost_table, "C": loading_table}
