@@ -16,7 +16,8 @@ fn git_commit() -> String {
     };
     match git(&["rev-parse", "--short", "HEAD"]) {
         Some(commit) if !commit.is_empty() => {
-            let dirty = git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
+            let dirty =
+                git(&["status", "--porcelain", "--untracked-files=no"]).is_some_and(|s| !s.is_empty());
             if dirty {
                 format!("{commit}+dirty")
             } else {
@@ -30,9 +31,14 @@ fn git_commit() -> String {
 fn main() {
     // Run again when a commit is made or checked out (the reflog), the index or any source file changes.
     for git_path in ["logs/HEAD", "index"] {
-        let out = Command::new("git").args(["rev-parse", "--git-path", git_path]).output();
+        let out = Command::new("git")
+            .args(["rev-parse", "--git-path", git_path])
+            .output();
         if let Some(o) = out.ok().filter(|o| o.status.success() && !o.stdout.is_empty()) {
-            println!("cargo:rerun-if-changed={}", String::from_utf8_lossy(&o.stdout).trim());
+            println!(
+                "cargo:rerun-if-changed={}",
+                String::from_utf8_lossy(&o.stdout).trim()
+            );
         }
     }
     println!("cargo:rerun-if-changed=src");

@@ -6,7 +6,7 @@ mod common;
 
 use common::decoding::{esp, greedy, hybrid, pld};
 use common::TinySpec;
-use probespec::chat::Conversation;
+use probespec::conversation::Conversation;
 use probespec::decode::generate::generate;
 use probespec::decode::method::{EspTree, Method};
 use probespec::model::load::{load_model, LoadOptions, ModelSource};

@@ -9,10 +9,10 @@ use common::decoding::{
     check_all, esp, greedy, hybrid, hybrid_auto, lookahead, lookahead_auto, pld, pld_auto, prompts, tau,
 };
 use common::TinySpec;
-use probespec::cli::{MethodArg, MethodArgs};
 use probespec::decode::method::{
     Budget, EspTree, HybridSpec, LookaheadConfig, Masks, Method, MethodKind, PldConfig,
 };
+use probespec::flags::{MethodArg, MethodArgs};
 
 /// Lookahead windows and prompt-lookup chains longer than the KV cache's margin over the prompt and
 /// --max-new-tokens (256 rows), up to the flags' bounds: the prefill's probe rows fit the cache, and the
@@ -205,8 +205,8 @@ fn method_flags_parse_and_bad_values_fail() {
 /// decoding's. The curves are injected: nothing is timed.
 #[test]
 fn auto_builds_trees_when_the_curve_is_flat_and_decodes_plainly_when_it_is_steep() {
-    use probespec::decode::cost::CostCurve;
     use probespec::decode::cost_cache::inject;
+    use probespec::decode::cost_curve::CostCurve;
     use probespec::decode::stats::blocks_line;
     // A tiny model and a prompt whose greedy answer repeats itself (one token, over and over): prompt
     // lookup and the n-gram pool find a draft on nearly every step.

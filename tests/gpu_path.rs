@@ -67,7 +67,7 @@ fn gpu_code_path_in_f32_same_seed_same_tokens_under_sampling() {
 
 #[test]
 fn gpu_code_path_in_f32_conversation_turns_match_one_shot_calls() {
-    use probespec::chat::Conversation;
+    use probespec::conversation::Conversation;
     use probespec::model::load::{load_model, LoadOptions, ModelSource};
     use probespec::tokenizer::Message;
     let dir = common::tempdir();

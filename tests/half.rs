@@ -255,7 +255,8 @@ fn the_binary_runs_half_precision_for_every_format_and_front_end() {
         activations: Default::default(),
     };
     let loaded = probespec::model::load::load_model(&src, &opts).unwrap();
-    let mut chat = probespec::chat::Conversation::new(&loaded.model, &loaded.tokenizer, None).unwrap();
+    let mut chat =
+        probespec::conversation::Conversation::new(&loaded.model, &loaded.tokenizer, None).unwrap();
     for user in ["w10 w11 w12", "w20 w21"] {
         let mut d = hybrid(10, 1).drafter(1).unwrap();
         let params = greedy(12, loaded.tokenizer.stop_tokens().to_vec());

@@ -9,7 +9,7 @@
 //! `--save` times the curve `--bc auto` prices blocks with (its own grid) and writes it to the cost cache,
 //! replacing what was there.
 
-use crate::decode::cost::{median, time_grid, CostCurve};
+use crate::decode::cost_curve::{median, time_grid, CostCurve};
 use crate::model::synthetic::{random_model, shape_config};
 use crate::model::Transformer;
 use crate::session::{ModelOptions, Session};
@@ -95,7 +95,8 @@ pub fn run(a: &CostOptions) -> Result<()> {
         .transpose()?;
     let points = cost_curve(&model, &a.cache, &a.rows, a.repeats)?;
     if let Some(svg) = &a.svg {
-        let mut curves = super::cost_chart::curves_of(&points, "probespec");
+        let mut curves =
+            super::cost_chart::curves_of(points.iter().map(|p| (p.cache, p.rows, p.ratio)), "probespec");
         curves.extend(peer.into_iter().flatten());
         // A model file is named by its file name, not its whole path.
         let short = std::path::Path::new(&name)
@@ -108,7 +109,7 @@ pub fn run(a: &CostOptions) -> Result<()> {
     let device = format!("{:?}", model.device.location());
     let dtype = model.dtype.as_str();
     // A block's cost depends on the threads that share it.
-    let threads = super::facts::threads();
+    let threads = crate::facts::threads();
     let mut text = String::new();
     if a.json {
         let v = serde_json::json!({ "model": name, "device": device, "dtype": dtype, "threads": threads,

@@ -6,7 +6,6 @@
 //! The ratio, not milliseconds, is what decides whether speculation pays: a block of R rows is worth
 //! sending when its expected accepted tokens beat cost(R)/cost(1).
 
-use super::cost::CostPoint;
 use anyhow::{anyhow, bail, Context, Result};
 use plotters::prelude::*;
 use std::collections::BTreeMap;
@@ -23,11 +22,11 @@ pub struct Curve {
     pub dashed: bool,
 }
 
-/// probespec's curves, one per cache length.
-pub fn curves_of(points: &[CostPoint], engine: &str) -> Vec<Curve> {
+/// probespec's curves, one per cache length, from timed points (cache length, rows, cost / cost(1)).
+pub fn curves_of(points: impl IntoIterator<Item = (usize, usize, f64)>, engine: &str) -> Vec<Curve> {
     let mut by_cache: BTreeMap<usize, Vec<(usize, f64)>> = BTreeMap::new();
-    for p in points {
-        by_cache.entry(p.cache).or_default().push((p.rows, p.ratio));
+    for (cache, rows, ratio) in points {
+        by_cache.entry(cache).or_default().push((rows, ratio));
     }
     by_cache
         .into_iter()
@@ -177,14 +176,8 @@ pub fn render_svg(title: &str, curves: &[Curve]) -> Result<String> {
 mod tests {
     use super::*;
 
-    fn point(cache: usize, rows: usize, ratio: f64) -> CostPoint {
-        CostPoint {
-            cache,
-            rows,
-            median_ms: ratio * 5.0,
-            min_ms: ratio * 4.0,
-            ratio,
-        }
+    fn point(cache: usize, rows: usize, ratio: f64) -> (usize, usize, f64) {
+        (cache, rows, ratio)
     }
 
     #[test]
@@ -195,7 +188,7 @@ mod tests {
             point(1024, 1, 1.0),
             point(1024, 4, 1.5),
         ];
-        let cs = curves_of(&pts, "probespec");
+        let cs = curves_of(pts, "probespec");
         assert_eq!(cs.len(), 2);
         assert_eq!(cs[0].name, "probespec, 256 cached");
         assert_eq!(cs[0].points, vec![(1, 1.0), (4, 1.3)]);
@@ -224,7 +217,7 @@ mod tests {
 
     #[test]
     fn the_chart_names_every_curve() {
-        let cs = curves_of(&[point(256, 1, 1.0), point(256, 8, 1.6)], "probespec");
+        let cs = curves_of([point(256, 1, 1.0), point(256, 8, 1.6)], "probespec");
         let svg = render_svg("SmolLM2", &cs).unwrap();
         assert!(svg.starts_with("<svg") && svg.contains("probespec, 256 cached"));
         assert!(svg.contains("rows in the block"));

@@ -11,14 +11,13 @@
 //! `probespec cost` (module [`cost`]) times the forward pass against block size.
 //!
 //! Layout: [`questions`] (file, groups, selection), [`runner`] (configurations, decoding, progress),
-//! [`records`] (record file, run.json), [`report`] (metrics, table, summary), [`chart`] (SVG),
-//! [`facts`] (machine and build facts).
+//! [`records`] (record file, run.json), [`report`] (metrics, table, summary), [`chart`] (SVG);
+//! machine and build facts come from [`crate::facts`].
 
 pub mod chart;
 pub mod cost;
 pub mod cost_chart;
 pub mod export;
-pub mod facts;
 pub mod questions;
 pub mod records;
 pub mod report;

@@ -5,6 +5,7 @@
 //! Also here: the Spec-Bench groups of the categories, and the selection of a run's questions
 //! (`--categories`, `--limit-per-category`, `--shard`).
 
+use crate::facts::fnv1a_hex;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::Value;
 use std::collections::{BTreeSet, HashMap, HashSet};
@@ -270,17 +271,6 @@ pub fn parse_shard(s: &str) -> std::result::Result<(usize, usize), String> {
         return Err(format!("shard {i}/{n}: the index must be in 0..{n}"));
     }
     Ok((i, n))
-}
-
-/// FNV-1a 64: a stable content fingerprint without a hashing dependency (std's hasher is not stable
-/// across Rust releases).
-pub fn fnv1a_hex(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
 }
 
 #[cfg(test)]

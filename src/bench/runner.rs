@@ -4,8 +4,7 @@
 //! process, so a drift of the machine (clock, thermal state, other load) over a long run hits every
 //! method alike instead of favouring whichever ran in the cooler hour.
 
-use super::facts;
-use super::questions::{fnv1a_hex, questions_or_bundled, select, Question, Selection};
+use super::questions::{questions_or_bundled, select, Question, Selection};
 use super::records::{
     complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
     Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
@@ -15,6 +14,7 @@ use crate::decode::method::{
     Budget, EspSpec, EspTree, HybridSpec, LookaheadConfig, MaskInit, Masks, Method, MethodKind, PldConfig,
 };
 use crate::decode::sampling::SamplingParams;
+use crate::facts::{self, fnv1a_hex};
 use crate::session::{DeviceKind, ModelOptions, Session};
 use crate::tokenizer::Message;
 use anyhow::{bail, Context, Result};

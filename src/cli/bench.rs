@@ -2,11 +2,11 @@
 //! earlier runs), `cost` (the forward cost curve) and `shape-gguf` (a random GGUF of a published shape),
 //! their conversion into the library's options, and their front ends.
 
-use super::args::{parse_budget, MaskInitArg, MethodArg, ModelArgs, TreeArg};
 use crate::bench::cost::CostOptions;
 use crate::bench::export::Format;
 use crate::bench::runner::BenchOptions;
 use crate::decode::method::Budget;
+use crate::flags::{parse_budget, MaskInitArg, MethodArg, ModelArgs, TreeArg};
 use anyhow::Result;
 use clap::{Args, Subcommand, ValueEnum};
 use std::path::PathBuf;

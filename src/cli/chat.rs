@@ -1,8 +1,8 @@
 //! The interactive conversation front end: one line per user message read with a line editor, the reply
 //! streamed, a stats line per turn; `/reset` starts over, `/exit` or Ctrl-D ends it. Turns reuse the KV
-//! cache of earlier ones ([`crate::chat::Conversation`]).
+//! cache of earlier ones ([`crate::conversation::Conversation`]).
 
-use super::args::{check_sampling, GenerateArgs};
+use super::GenerateArgs;
 use crate::decode::generate::GenerateParams;
 use crate::decode::method::Method;
 use crate::session::Session;
@@ -13,7 +13,7 @@ use std::io::Write;
 /// The interactive conversation: one line per user message, the reply streamed, a stats line per turn.
 pub(super) fn run_chat(a: &GenerateArgs) -> Result<()> {
     use rustyline::error::ReadlineError;
-    let sampling = check_sampling(a)?;
+    let sampling = a.sampling.params()?;
     let method = a.method.method()?;
     method.validate()?;
     if a.no_chat_template {
@@ -21,11 +21,12 @@ pub(super) fn run_chat(a: &GenerateArgs) -> Result<()> {
     }
     let loaded = Session::load(&a.model.options())?;
     let params = GenerateParams {
-        max_new_tokens: a.max_new_tokens,
+        max_new_tokens: a.sampling.max_new_tokens,
         sampling,
         stop_tokens: loaded.stop_tokens(),
     };
-    let mut chat = crate::chat::Conversation::new(&loaded.model, &loaded.tokenizer, a.system.clone())?;
+    let mut chat =
+        crate::conversation::Conversation::new(&loaded.model, &loaded.tokenizer, a.system.clone())?;
     let mut editor = rustyline::DefaultEditor::new().context("cannot open the terminal for input")?;
     eprintln!(
         "{} | {} | /exit or Ctrl-D to quit, /reset to start over",
@@ -61,7 +62,7 @@ pub(super) fn run_chat(a: &GenerateArgs) -> Result<()> {
             _ => {}
         }
         let _ = editor.add_history_entry(text);
-        let mut drafter = method.drafter(a.seed)?;
+        let mut drafter = method.drafter(a.sampling.seed)?;
         let mut stream = StreamDecoder::new(&loaded.tokenizer);
         let mut out = stdout.lock();
         let turn = chat.turn(text, drafter.as_mut(), &params, &mut |t| {

@@ -1,28 +1,20 @@
-//! Command-line interface: clap's flags, their conversion into the library's types
-//! ([`ModelOptions`](crate::session::ModelOptions), [`Method`](crate::decode::method::Method), the
-//! benchmark's options), and the terminal front ends (one-shot generation, the interactive conversation).
-//! Everything else is library code; nothing in the library imports this module.
+//! The command line: the top-level parser, its subcommands and their dispatch to the front ends, and
+//! how an error becomes the exit code; the terminal front ends themselves. Nothing in the library
+//! imports this module: it sits above the other front ends (`serve`, `bench`) and the shared flags
+//! ([`crate::flags`]).
 //!
-//! This file holds the entry point: the top-level parser, its subcommands and their dispatch, and how an
-//! error becomes the exit code. The rest, one concern per file:
-//!
-//! - `args`: the flags shared by generation, the conversation and the server (model, method, sampling),
-//!   and their conversion into library types;
-//! - `generate`: the one-shot generation front end (the default command);
-//! - `chat`: the interactive conversation front end (no prompt, a terminal on stdin);
-//! - `bench`: the flags and front ends of `bench`, `cost` and `shape-gguf`.
+//! - `oneshot`: one-shot generation (the default command);
+//! - `chat`: the interactive conversation (no prompt, a terminal on stdin);
+//! - `bench`: the flags of `bench`, `cost` and `shape-gguf`, converted into the bench's options.
 
-mod args;
 mod bench;
 mod chat;
-mod generate;
+mod oneshot;
 
-pub use args::{
-    ActivationsArg, DTypeArg, DeviceArg, GenerateArgs, MaskInitArg, MethodArg, MethodArgs, ModelArgs, TreeArg,
-};
 pub use bench::{BenchAction, BenchArgs, BenchRunArgs, CostArgs, FormatArg, ShapeGgufArgs};
 
-use clap::{Parser, Subcommand};
+use crate::flags::{MethodArgs, ModelArgs, SamplingArgs};
+use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -55,6 +47,32 @@ enum Command {
     Serve(crate::serve::ServeArgs),
 }
 
+/// The flags of one-shot generation and of the conversation.
+#[derive(Args, Debug, Clone)]
+pub struct GenerateArgs {
+    /// The prompt; read from stdin when "-" or when stdin is not a terminal. Absent with a terminal: an
+    /// interactive conversation (/exit or Ctrl-D ends it, /reset starts over).
+    pub prompt: Option<String>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub method: MethodArgs,
+    /// System message for the chat template.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Feed the prompt verbatim instead of through the model's chat template.
+    #[arg(long)]
+    pub no_chat_template: bool,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the prompt as the model will read it (after the chat template) and exit.
+    #[arg(long)]
+    pub print_prompt: bool,
+}
+
 /// Entry point: returns the process exit code. Errors are one line on stderr.
 pub fn main() -> i32 {
     let cli = match Cli::try_parse() {
@@ -72,12 +90,12 @@ pub fn main() -> i32 {
     };
     model_args(&cli).apply_threads();
     let result = match cli.command {
-        Some(Command::Generate(args)) => generate::run_generate(&args),
+        Some(Command::Generate(args)) => oneshot::run_generate(&args),
         Some(Command::Bench(args)) => bench::run_bench(&args),
         Some(Command::Cost(args)) => bench::run_cost(&args),
         Some(Command::ShapeGguf(args)) => bench::run_shape_gguf(args),
         Some(Command::Serve(args)) => crate::serve::run(&args),
-        None => generate::run_generate(&cli.generate),
+        None => oneshot::run_generate(&cli.generate),
     };
     match result {
         Ok(()) => 0,

@@ -13,7 +13,7 @@
 //! (tests, callers that know better), else the model's file when [`attach`] gave it one (the
 //! [`crate::session::Session`] does), else a fresh measurement kept in memory.
 
-use super::cost::{CostCurve, Samples, FIRST_TIMING_BUDGET};
+use super::cost_curve::{CostCurve, Samples, FIRST_TIMING_BUDGET};
 use crate::model::Transformer;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -52,7 +52,7 @@ impl CurveKey {
         CurveKey {
             format: CURVE_FORMAT,
             build: build_identity(),
-            cpu: crate::bench::facts::cpu_model(),
+            cpu: crate::facts::cpu_model(),
             cpu_features: cpu_features(),
             threads: rayon::current_num_threads(),
             model: file_identity(model),
@@ -64,7 +64,7 @@ impl CurveKey {
 
     /// A stable 64-bit FNV-1a hash of the key, in hex, for the file name.
     fn hash(&self) -> String {
-        crate::bench::questions::fnv1a_hex(serde_json::to_string(self).unwrap_or_default().as_bytes())
+        crate::facts::fnv1a_hex(serde_json::to_string(self).unwrap_or_default().as_bytes())
     }
 }
 

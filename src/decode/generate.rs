@@ -382,7 +382,7 @@ pub fn generate_in(
 
 /// Most rows of one vocabulary projection while verifying (defined beside the cost model, which prices
 /// it, so that the cost modules do not import the loop).
-pub use super::cost::LOGIT_ROWS;
+pub use super::cost_curve::LOGIT_ROWS;
 
 /// Logits of block rows, computed on demand and at most once each.
 struct RowLogits {

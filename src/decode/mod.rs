@@ -9,8 +9,8 @@
 
 pub mod auto;
 pub mod budget;
-pub mod cost;
 pub mod cost_cache;
+pub mod cost_curve;
 pub mod drafters;
 pub mod generate;
 pub mod kind;

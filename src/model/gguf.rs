@@ -2,7 +2,7 @@
 //! kernels or handed to candle's quantised matmul (`GgufMatrix`), and the tensors' placement checked
 //! against the file before anything is read.
 
-use super::load::{check_vocab, Activations, LoadOptions, LoadedModel};
+use super::checkpoint::{check_vocab, Activations, LoadOptions, LoadedModel};
 use super::{Arch, Layer, Linear, ModelConfig, RmsNorm, Transformer, Weight};
 use crate::kernels::{BlockFormat, BlockMatrix, PackedFormat, PackedMatrix};
 use crate::tokenizer::TextTokenizer;

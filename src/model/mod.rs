@@ -5,6 +5,7 @@
 //! attention mask over [cache + block], raw embedding vectors as inputs (ESP's mask tokens are vectors),
 //! and computes logits only for the rows a caller reads. LLaMA and Qwen 3 are one model with switches.
 
+pub mod checkpoint;
 pub mod config;
 mod flat;
 pub mod gguf;
@@ -12,6 +13,7 @@ pub mod kv_cache;
 pub mod linear;
 pub mod load;
 pub mod ops;
+mod safetensors;
 pub mod shape_gguf;
 pub mod synthetic;
 

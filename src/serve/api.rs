@@ -4,10 +4,10 @@
 //! body can be wrong ends here as an [`ApiError`] naming the field.
 
 use super::error::ApiError;
-use crate::cli::{MethodArg, MethodArgs};
 use crate::decode::generate::GenerateParams;
 use crate::decode::method::{Budget, Method};
 use crate::decode::sampling::SamplingParams;
+use crate::flags::{MethodArg, MethodArgs, TreeArg};
 use crate::session::Session;
 use crate::tokenizer::{check_template_vars, Message, TemplateVars};
 use clap::ValueEnum;
@@ -171,7 +171,7 @@ impl MethodOverrides {
         // A request for another method drops the ESP-only tree flags the server may have been given.
         if a.method != MethodArg::Esp {
             a.branches = None;
-            a.tree = crate::cli::TreeArg::Dynamic;
+            a.tree = TreeArg::Dynamic;
         }
         let method = a.method().map_err(param)?;
         method.validate().map_err(param)?;

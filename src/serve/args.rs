@@ -1,8 +1,8 @@
 //! `probespec serve`'s flags: the model, numerics and method flags of one-shot generation (the defaults of
 //! every request), the address, the access key and the queue's size.
 
-use crate::cli::{MethodArgs, ModelArgs};
 use crate::decode::sampling::SamplingParams;
+use crate::flags::{MethodArgs, ModelArgs, SamplingArgs};
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 
@@ -35,21 +35,8 @@ pub struct ServeArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub method: MethodArgs,
-    /// Default of a request without max_tokens (cut to the room the context window leaves).
-    #[arg(long, default_value_t = 256)]
-    pub max_new_tokens: usize,
-    /// Default of a request without temperature; 0 = greedy (as one-shot generation).
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Default of a request without top_p.
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
-    /// Default of a request without top_k; 0 = off.
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    /// Default of a request without seed (the one-shot default).
-    #[arg(long, default_value_t = 299792458)]
-    pub seed: u64,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
 }
 
 /// Where a chat answer's thinking goes (`--reasoning-format`).
@@ -60,26 +47,12 @@ pub enum ReasoningFormat {
 }
 
 impl ServeArgs {
-    /// The sampling defaults, checked as one-shot generation checks its flags.
+    /// The sampling defaults, checked as one-shot generation checks its flags, and the queue's size.
     pub fn sampling(&self) -> Result<SamplingParams> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
-            bail!("--temperature must be >= 0 (got {})", self.temperature);
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            bail!("--top-p must be in (0, 1] (got {})", self.top_p);
-        }
-        if self.max_new_tokens == 0 {
-            bail!("--max-new-tokens must be at least 1");
-        }
         if self.queue == 0 {
             bail!("--queue must be at least 1");
         }
-        Ok(SamplingParams {
-            temperature: self.temperature,
-            top_p: self.top_p,
-            top_k: self.top_k,
-            seed: self.seed,
-        })
+        self.sampling.params()
     }
 
     /// The key to require: the flag, else the environment variable; an empty key is an error.

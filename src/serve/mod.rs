@@ -36,6 +36,8 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     method.validate()?;
     let api_key = a.api_key()?;
     let session = Arc::new(Session::load(&a.model.options())?);
+    let (queue, jobs) = queue::Queue::new(a.queue);
+    worker::start(session.clone(), jobs, queue.counters.clone())?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -46,12 +48,12 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             .with_context(|| format!("cannot listen on {}:{}", a.host, a.port))?;
         let addr = listener.local_addr()?;
         let state = routes::AppState {
-            queue: queue::Queue::start(session.clone(), a.queue)?,
+            queue,
             session: session.clone(),
             defaults: api::Defaults {
                 method: a.method.clone(),
                 sampling,
-                max_new_tokens: a.max_new_tokens,
+                max_new_tokens: a.sampling.max_new_tokens,
             },
             model_id: model_id(a.model.model.as_deref()),
             api_key,

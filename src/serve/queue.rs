@@ -5,11 +5,9 @@
 
 use super::api::JobSpec;
 use super::error::ApiError;
-use super::worker;
 use crate::decode::stats::DecodeStats;
-use crate::session::Session;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TrySendError};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -79,15 +77,12 @@ pub struct Queue {
 }
 
 impl Queue {
-    /// Starts the decoding thread with room for `capacity` waiting jobs.
-    pub fn start(session: Arc<Session>, capacity: usize) -> anyhow::Result<Queue> {
+    /// A queue with room for `capacity` waiting jobs, and the receiving end the decoding thread takes
+    /// them from ([`super::worker::start`]).
+    pub fn new(capacity: usize) -> (Queue, Receiver<Job>) {
         let (jobs, rx) = sync_channel::<Job>(capacity);
         let counters = Arc::new(Counters::default());
-        let c = counters.clone();
-        std::thread::Builder::new()
-            .name("probespec-decode".into())
-            .spawn(move || worker::run(&session, rx, &c))?;
-        Ok(Queue { jobs, counters })
+        (Queue { jobs, counters }, rx)
     }
 
     /// Queues `spec`; its events come on the returned receiver. A full queue is a 503.

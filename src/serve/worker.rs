@@ -5,7 +5,7 @@
 
 use super::queue::{Counters, Event, Job, Outcome};
 use super::stop::StopMatcher;
-use crate::chat::PrefixCache;
+use crate::conversation::PrefixCache;
 use crate::decode::generate::{FinishReason, Halt};
 use crate::session::Session;
 use crate::tokenizer::StreamDecoder;
@@ -13,9 +13,18 @@ use anyhow::Result;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::Receiver;
+use std::sync::Arc;
+
+/// Starts the decoding thread on the receiving end of a [`super::queue::Queue`].
+pub fn start(session: Arc<Session>, jobs: Receiver<Job>, counters: Arc<Counters>) -> Result<()> {
+    std::thread::Builder::new()
+        .name("probespec-decode".into())
+        .spawn(move || run(&session, jobs, &counters))?;
+    Ok(())
+}
 
 /// Runs jobs until every submitting end is gone.
-pub fn run(session: &Session, jobs: Receiver<Job>, counters: &Counters) {
+fn run(session: &Session, jobs: Receiver<Job>, counters: &Counters) {
     let mut cache = match PrefixCache::new(&session.model) {
         Ok(c) => Some(c),
         Err(e) => {

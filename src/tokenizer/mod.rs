@@ -5,9 +5,9 @@
 //! `gguf.rs`) or from an HF checkpoint folder ([`TextTokenizer::from_hf_dir`]); both end up as a
 //! `tokenizers::Tokenizer` plus the special-token facts the model's conventions need.
 
-pub(crate) mod chat;
-mod gguf;
+mod gguf_vocab;
 mod stream;
+pub(crate) mod template;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,11 +16,11 @@ use anyhow::{anyhow, bail, Context, Result};
 use candle_core::quantized::gguf_file;
 use serde_json::Value as Json;
 
-use chat::ChatTemplate;
-pub use chat::{check_template_vars, parse_template_vars, Message, TemplateVars};
 /// The split regexes that name a GGUF's `tokenizer.ggml.pre` (`probespec shape-gguf` writes that name).
-pub(crate) use gguf::{LLAMA3_SPLIT, QWEN2_SPLIT};
+pub(crate) use gguf_vocab::{LLAMA3_SPLIT, QWEN2_SPLIT};
 pub use stream::StreamDecoder;
+use template::ChatTemplate;
+pub use template::{check_template_vars, parse_template_vars, Message, TemplateVars};
 
 /// The chat template `source` compiled, or why minijinja cannot compile it, in one line.
 pub(crate) fn compile_chat_template(source: String) -> Result<ChatTemplate> {
@@ -73,7 +73,7 @@ pub struct TextTokenizer {
 impl TextTokenizer {
     /// From GGUF metadata (`gguf_file::Content::metadata`).
     pub fn from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
-        let built = gguf::build(md)?;
+        let built = gguf_vocab::build(md)?;
         Ok(Self::assemble(
             built.tokenizer,
             built.special,

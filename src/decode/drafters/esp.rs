@@ -435,7 +435,7 @@ impl Drafter for Esp {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::decode::cost::CostCurve;
+    use crate::decode::cost_curve::CostCurve;
     use std::sync::Arc;
 
     fn choice(curve: CostCurve, ranks: &RankHistogram) -> Choice {

@@ -221,7 +221,7 @@ mod tests {
 
     #[test]
     fn auto_chain_length_follows_cost_and_acceptance() {
-        use crate::decode::cost::CostCurve;
+        use crate::decode::cost_curve::CostCurve;
         use std::sync::Arc;
         let auto = |f: fn(usize, usize) -> f64| PldAuto {
             chooser: Chooser::new(Arc::new(CostCurve::from_fn(f, 0.0))),

@@ -2,7 +2,7 @@
 //! streamed to stdout (or one JSON object with `--json`), a stats line on stderr. With no prompt and a
 //! terminal on stdin it hands over to the interactive conversation (`chat`).
 
-use super::args::{check_sampling, GenerateArgs};
+use super::GenerateArgs;
 use crate::decode::generate::GenerateParams;
 use crate::session::Session;
 use crate::tokenizer::StreamDecoder;
@@ -31,7 +31,7 @@ pub(super) fn run_generate(a: &GenerateArgs) -> Result<()> {
     if a.prompt.is_none() && std::io::stdin().is_terminal() {
         return super::chat::run_chat(a);
     }
-    let sampling = check_sampling(a)?;
+    let sampling = a.sampling.params()?;
     let method = a.method.method()?;
     method.validate()?;
     let text = read_prompt(a.prompt.as_deref())?;
@@ -44,7 +44,7 @@ pub(super) fn run_generate(a: &GenerateArgs) -> Result<()> {
     }
     let prompt = session.encode_prompt(&text, a.system.as_deref(), !a.no_chat_template)?;
     let params = GenerateParams {
-        max_new_tokens: a.max_new_tokens,
+        max_new_tokens: a.sampling.max_new_tokens,
         sampling,
         stop_tokens: session.stop_tokens(),
     };

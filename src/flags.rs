@@ -1,6 +1,7 @@
-//! The flags shared by one-shot generation, the interactive conversation and the server: which model
-//! (`ModelArgs`), which decoding method (`MethodArgs`), and the generation's own flags (`GenerateArgs`),
-//! with their conversion into the library's [`ModelOptions`], [`Method`] and [`SamplingParams`].
+//! The command-line flags the front ends share: which model (`ModelArgs`), which decoding method
+//! (`MethodArgs`) and how to sample (`SamplingArgs`), with their conversion into the library's
+//! [`ModelOptions`], [`Method`] and [`SamplingParams`]. One-shot generation, the conversation, `bench` and
+//! `serve` flatten them into their own flags.
 
 use crate::decode::drafters::lookahead::DEFAULT_WINDOW;
 use crate::decode::drafters::pld::DEFAULT_DRAFT_LEN;
@@ -167,7 +168,7 @@ impl From<MaskInitArg> for MaskInit {
     }
 }
 
-pub(super) fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
+pub fn parse_budget(s: &str) -> std::result::Result<Budget, String> {
     s.parse()
 }
 
@@ -265,56 +266,43 @@ impl MethodArgs {
     }
 }
 
+/// How to sample: greedy by default. In `serve` these are the defaults of a request that leaves them out.
 #[derive(Args, Debug, Clone)]
-pub struct GenerateArgs {
-    /// The prompt; read from stdin when "-" or when stdin is not a terminal. Absent with a terminal: an
-    /// interactive conversation (/exit or Ctrl-D ends it, /reset starts over).
-    pub prompt: Option<String>,
-    #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub method: MethodArgs,
-    /// System message for the chat template.
-    #[arg(long)]
-    pub system: Option<String>,
-    /// Feed the prompt verbatim instead of through the model's chat template.
-    #[arg(long)]
-    pub no_chat_template: bool,
+pub struct SamplingArgs {
+    /// Most new tokens (serve: a request's default, cut to the room the context window leaves).
     #[arg(long, default_value_t = 256)]
     pub max_new_tokens: usize,
-    /// 0 = greedy.
+    /// Sampling temperature; 0 = greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Nucleus sampling: the smallest set of tokens whose probabilities sum to at least this.
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
-    /// 0 = off.
+    /// Sample among the k most likely tokens; 0 = off.
     #[arg(long, default_value_t = 0)]
     pub top_k: usize,
+    /// Seed of the sampler (and of the drafters that draw at random).
     #[arg(long, default_value_t = 299792458)]
     pub seed: u64,
-    /// Print one JSON object instead of streaming text.
-    #[arg(long)]
-    pub json: bool,
-    /// Print the prompt as the model will read it (after the chat template) and exit.
-    #[arg(long)]
-    pub print_prompt: bool,
 }
 
-/// The sampling flags, checked, as the library's [`SamplingParams`].
-pub(super) fn check_sampling(a: &GenerateArgs) -> Result<SamplingParams> {
-    if !(a.temperature >= 0.0 && a.temperature.is_finite()) {
-        bail!("--temperature must be >= 0 (got {})", a.temperature);
+impl SamplingArgs {
+    /// The sampling flags, checked, as the library's [`SamplingParams`].
+    pub fn params(&self) -> Result<SamplingParams> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            bail!("--temperature must be >= 0 (got {})", self.temperature);
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            bail!("--top-p must be in (0, 1] (got {})", self.top_p);
+        }
+        if self.max_new_tokens == 0 {
+            bail!("--max-new-tokens must be at least 1");
+        }
+        Ok(SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            seed: self.seed,
+        })
     }
-    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
-        bail!("--top-p must be in (0, 1] (got {})", a.top_p);
-    }
-    if a.max_new_tokens == 0 {
-        bail!("--max-new-tokens must be at least 1");
-    }
-    Ok(SamplingParams {
-        temperature: a.temperature,
-        top_p: a.top_p,
-        top_k: a.top_k,
-        seed: a.seed,
-    })
 }

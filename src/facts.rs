@@ -1,5 +1,6 @@
-//! Machine and build facts for the summary: CPU model, threads, GPU name, git commit, UTC date and the
-//! exact command line. Every probe degrades to "unknown" rather than failing a run.
+//! Machine and build facts for records and cache keys: CPU model, threads, GPU name, git commit, UTC date,
+//! the exact command line, and a stable fingerprint of bytes. Every probe degrades to "unknown" rather
+//! than failing a run.
 
 use std::process::Command;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -81,13 +82,24 @@ pub fn utc_now() -> String {
 /// summary (the calendar arithmetic is the chat template's `strftime_now`'s).
 pub fn utc_date(secs: u64) -> String {
     let rem = secs % 86_400;
-    let (year, month, day) = crate::tokenizer::chat::civil_from_days((secs / 86_400) as i64);
+    let (year, month, day) = crate::tokenizer::template::civil_from_days((secs / 86_400) as i64);
     format!(
         "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
         rem / 3600,
         (rem % 3600) / 60,
         rem % 60
     )
+}
+
+/// FNV-1a 64: a stable content fingerprint without a hashing dependency (std's hasher is not stable
+/// across Rust releases).
+pub fn fnv1a_hex(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
 }
 
 #[cfg(test)]
