@@ -22,7 +22,7 @@ pub mod isa;
 pub mod matmul;
 pub mod pages;
 pub mod pool;
-pub mod q8matmul;
+pub mod q8;
 pub mod qmatmul;
 #[cfg(test)]
 mod test_util;
@@ -36,7 +36,9 @@ pub use attention::{
 pub use elementwise::{add_f32, rms_norm_f32, rope_f32, swiglu_f32};
 pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
-pub use q8matmul::{linear_q8, linear_q8_many, matmul_q8, PackedFormat, PackedMatrix};
+/// The 8-bit-activation kernel under its former name (`kernels::q8matmul::matmul_q8_many`, ...).
+pub use q8 as q8matmul;
+pub use q8::{linear_q8, linear_q8_many, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
 
 /// Fails unless `x` is an f32 tensor on the CPU (what the kernels take), naming the kernel.

@@ -186,7 +186,7 @@ impl Pool {
     /// where equal tasks left it up to a whole one (a matrix product's eighth). On one thread, or with
     /// at most `min` units, one range `0..units`. The cut depends on timing, so `f` must compute the
     /// same results however `0..units` is cut (a product's groups do:
-    /// `q8matmul::tests::any_cut_into_ranges_gives_the_same_bits`).
+    /// `q8::tests::any_cut_into_ranges_gives_the_same_bits`).
     pub fn run_ranges(&self, units: usize, min: usize, f: &(dyn Fn(usize, usize) + Sync)) {
         let sizes = Chunks {
             min: min.max(1),
