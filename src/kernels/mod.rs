@@ -36,8 +36,6 @@ pub use attention::{
 pub use elementwise::{add_f32, rms_norm_f32, rope_f32, swiglu_f32};
 pub use isa::Isa;
 pub use matmul::{linear_f32, matmul_xwt};
-/// The 8-bit-activation kernel under its former name (`kernels::q8matmul::matmul_q8_many`, ...).
-pub use q8 as q8matmul;
 pub use q8::{linear_q8, linear_q8_many, matmul_q8, PackedFormat, PackedMatrix};
 pub use qmatmul::{linear_blocks, matmul_blocks, BlockFormat, BlockMatrix};
 

@@ -11,7 +11,7 @@
 
 use super::{BlockMask, KvCache, Layer, Linear, Transformer};
 use crate::kernels::elementwise::{add_in_place, rope_in_place, swiglu_slices_with};
-use crate::kernels::q8matmul::matmul_q8_many;
+use crate::kernels::q8::matmul_q8_many;
 use crate::kernels::{attention::attention_rows, Visibility, Width};
 use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor};

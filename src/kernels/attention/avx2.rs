@@ -5,8 +5,7 @@
 //! registers beside the vectors they share: two slots x 32 keys or dimensions, or one slot x 64. Each sum
 //! is the same fused multiply-add chain, in the same order, as the portable code's.
 
-use super::problem::Problem;
-use super::score::{KeyLayout, KeyList};
+use super::layout::{KeyLayout, KeyList, Values};
 use super::*;
 use std::arch::x86_64::*;
 
@@ -140,7 +139,7 @@ unsafe fn block<const N: usize, const V: usize, K: KvElement>(
     }
 }
 
-/// [`Problem::accumulate_n`] of `8 V` dimensions for N slots, `sums` their `[N][8 V]` running sums.
+/// `Problem::accumulate_n` of `8 V` dimensions for N slots, `sums` their `[N][8 V]` running sums.
 ///
 /// # Safety
 /// AVX2 and FMA; `sums` valid for N · 8 V values; every key's values `d0 .. d0 + 8 V` inside `vd`.
@@ -148,7 +147,7 @@ unsafe fn block<const N: usize, const V: usize, K: KvElement>(
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn accumulate<const N: usize, const V: usize, E: KvElement, L: KeyList>(
-    pb: &Problem<'_, E>,
+    values: Values<'_, E>,
     kvh: usize,
     keys: L,
     p: [&[f32]; N],
@@ -167,9 +166,9 @@ pub(super) unsafe fn accumulate<const N: usize, const V: usize, E: KvElement, L:
     let p: [&[f32]; N] = p.map(|pi| &pi[..len]);
     for t in 0..len {
         if prefetch {
-            pb.prefetch_values(&keys, t, kvh, d0, 8 * V);
+            values.prefetch(&keys, t, kvh, d0, 8 * V);
         }
-        let v = pb.vd[pb.value_at(keys.key(t), kvh, d0)..][..8 * V].as_ptr();
+        let v = values.vd[values.at(keys.key(t), kvh, d0)..][..8 * V].as_ptr();
         let mut x = [_mm256_setzero_ps(); V];
         for g in (0..V).step_by(2) {
             [x[g], x[g + 1]] = load16(v.add(8 * g));

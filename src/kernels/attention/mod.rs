@@ -40,10 +40,12 @@
 //! (key/value head, row tile) to finish merges them (step 6), else a unit takes its segments in turn.
 
 use candle_core::{DType, Error, Result, Tensor};
-use problem::{run, KeyData, Shape};
+use layout::Shape;
+use problem::{run, KeyData};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod layout;
 mod problem;
 mod score;
 mod segments;

@@ -4,11 +4,11 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
-use super::score::{exp_nonpositive, lane_max, lane_sum, score_all, KeyLayout, KeyList, KeyRun};
-use super::segments::{Partials, Slots, VisibleLists, SPLIT_BYTES};
+use super::layout::{KeyLayout, KeyList, KeyRun, Shape, Values};
+use super::score::{exp_nonpositive, lane_max, lane_sum, score_all};
+use super::segments::{merge, Partials, Slots, VisibleLists, SPLIT_BYTES};
 use super::{KvElement, TransposedKeys, Visibility, Width, KEY_CHUNK, SEGMENT};
 use crate::kernels::pool::{Pool, SharedMut};
-use crate::kernels::prefetch_l1;
 
 /// (Row, head) slots accumulated together in step 5 (64 head dimensions at a time): 4 x 64 f32
 /// accumulators fill 16 of AVX-512's 32 vector registers. (AVX2: [`avx2`].)
@@ -18,11 +18,6 @@ const VALUE_SLOTS: usize = 4;
 /// its rows' keys past the tile's first row are summed per row, not shared: a long causal prefill cut
 /// in few tiles spent most of its attention there.
 pub(super) const MAX_TILE_ROWS: usize = 32;
-
-/// Keys ahead whose rows (one head's part) are asked for while keys are transposed and values summed:
-/// a head's part of a cached row is a few cache lines at a stride of all heads, which the hardware
-/// prefetcher followed too late.
-pub(super) const PREFETCH_KEYS: usize = 16;
 
 /// One attention problem, cut into units of (key/value head, tile of query rows, segment).
 pub(super) struct Problem<'a, E> {
@@ -136,7 +131,7 @@ impl<E: KvElement> Problem<'_, E> {
             // AcqRel: this unit's results are published, and the last one sees every other's.
             use std::sync::atomic::Ordering::AcqRel;
             if part.done[tile_id].fetch_add(1, AcqRel) + 1 == self.segments {
-                self.merge(kvh, rows, slots, out);
+                merge(&self.shape, self.segments, kvh, rows, slots, out);
             }
             return;
         }
@@ -156,7 +151,7 @@ impl<E: KvElement> Problem<'_, E> {
             for k in 0..self.segments {
                 self.segment(width, k, kvh, rows.clone(), s, slots(k));
             }
-            self.merge(kvh, rows, slots, out);
+            merge(&self.shape, self.segments, kvh, rows, slots, out);
         }
         (s.seg_o, s.seg_stats) = (o, stats);
     }
@@ -344,7 +339,7 @@ impl<E: KvElement> Problem<'_, E> {
     }
 
     /// `acc_i += Σ_t p_i[t] · v_{keys[t]}[d0 .. d0 + n]` for each slot i, key by key (`n <= D`);
-    /// with `prefetch`, the values [`PREFETCH_KEYS`] keys ahead are asked for (the first pass of a tile
+    /// with `prefetch`, the values [`PREFETCH_KEYS`](super::layout::PREFETCH_KEYS) keys ahead are asked for (the first pass of a tile
     /// over its keys: the later ones find them in the caches). A whole chunk is compiled at its constant
     /// width, so that its accumulators stay in registers.
     #[inline(always)]
@@ -369,7 +364,7 @@ impl<E: KvElement> Problem<'_, E> {
                 (2, 32) => {
                     return unsafe {
                         avx2::accumulate::<2, 4, _, _>(
-                            self,
+                            self.values(),
                             kvh,
                             keys,
                             p[..2].try_into().unwrap(),
@@ -381,7 +376,7 @@ impl<E: KvElement> Problem<'_, E> {
                 }
                 (1, 64) => {
                     return unsafe {
-                        avx2::accumulate::<1, 8, _, _>(self, kvh, keys, [p[0]], d0, prefetch, sums)
+                        avx2::accumulate::<1, 8, _, _>(self.values(), kvh, keys, [p[0]], d0, prefetch, sums)
                     }
                 }
                 _ => {}
@@ -395,19 +390,26 @@ impl<E: KvElement> Problem<'_, E> {
         }
     }
 
-    /// Where key `j`'s values `d0 ..` of key/value head `kvh` start in `vd`.
+    /// The cached values as the accumulation reads them.
     #[inline(always)]
-    pub(super) fn value_at(&self, j: usize, kvh: usize, d0: usize) -> usize {
-        j * self.shape.row_stride + self.shape.hd * kvh + d0
+    pub(super) fn values(&self) -> Values<'_, E> {
+        Values {
+            vd: self.vd,
+            row_stride: self.shape.row_stride,
+            hd: self.shape.hd,
+        }
     }
 
-    /// Asks for the `n` values from `d0` of the key [`PREFETCH_KEYS`] after the `t`-th of `keys`, if any.
+    /// Where value `d0` of key `j`, key/value head `kvh`, lies in `vd`.
+    #[inline(always)]
+    pub(super) fn value_at(&self, j: usize, kvh: usize, d0: usize) -> usize {
+        self.values().at(j, kvh, d0)
+    }
+
+    /// Asks for the `n` values from `d0` of the key [`PREFETCH_KEYS`](super::layout::PREFETCH_KEYS) after the `t`-th of `keys`, if any.
     #[inline(always)]
     pub(super) fn prefetch_values<K: KeyList>(&self, keys: &K, t: usize, kvh: usize, d0: usize, n: usize) {
-        if t + PREFETCH_KEYS < keys.len() {
-            let ahead = self.value_at(keys.key(t + PREFETCH_KEYS), kvh, d0);
-            prefetch_l1(self.vd.as_ptr().wrapping_add(ahead).cast(), size_of::<E>() * n);
-        }
+        self.values().prefetch(keys, t, kvh, d0, n)
     }
 
     /// [`Problem::accumulate`] at width `n`: a method, not a closure inside it, since a closure does not
@@ -443,17 +445,6 @@ impl<E: KvElement> Problem<'_, E> {
         }
         *acc = local;
     }
-}
-
-/// An attention problem's sizes ([`Problem`]'s).
-#[derive(Clone, Copy)]
-pub(super) struct Shape {
-    pub(super) rows: usize,
-    pub(super) keys: usize,
-    pub(super) heads: usize,
-    pub(super) kv_heads: usize,
-    pub(super) hd: usize,
-    pub(super) row_stride: usize,
 }
 
 /// The problem's units on the kernel pool: `[rows, heads · hd]` outputs.

@@ -3,6 +3,7 @@
 
 #[cfg(target_arch = "x86_64")]
 use super::avx2;
+use super::layout::KeyLayout;
 use super::{KvElement, Width, KEY_CHUNK, LANES};
 use crate::kernels::prefetch_l1;
 
@@ -72,61 +73,6 @@ pub(crate) fn lane_sum_by(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
     let v8: [f32; 8] = std::array::from_fn(|i| acc[i] + acc[i + 8]);
     let v4: [f32; 4] = std::array::from_fn(|i| v8[i] + v8[i + 4]);
     (v4[0] + v4[2]) + (v4[1] + v4[3])
-}
-
-/// Where a chunk of keys lies in the keys a unit scores: the caller's [`TransposedKeys`](super::TransposedKeys) (chunks of
-/// `[hd][KEY_CHUNK]`), or a unit's own transposed rows (`[hd][ks]`).
-#[derive(Clone, Copy)]
-pub(super) enum KeyLayout {
-    Chunks {
-        hd: usize,
-    },
-    /// Keys `from ..` as rows of `ks`.
-    Rows {
-        ks: usize,
-        from: usize,
-    },
-}
-
-impl KeyLayout {
-    /// The offset of key `j0`'s first value (`j0` a multiple of [`KEY_CHUNK`]) and the distance
-    /// between its chunk's rows.
-    #[inline(always)]
-    pub(super) fn chunk(self, j0: usize) -> (usize, usize) {
-        match self {
-            KeyLayout::Chunks { hd } => (j0 / KEY_CHUNK * hd * KEY_CHUNK, KEY_CHUNK),
-            KeyLayout::Rows { ks, from } => (j0 - from, ks),
-        }
-    }
-}
-
-/// Keys of a visible list in order: a run of consecutive keys, read without a list, or listed ones.
-pub(super) trait KeyList: Clone {
-    fn len(&self) -> usize;
-    /// The `t`-th key (`t < len`).
-    fn key(&self, t: usize) -> usize;
-}
-
-/// The keys `start .. end`.
-#[derive(Clone)]
-pub(super) struct KeyRun(pub(super) std::ops::Range<usize>);
-
-impl KeyList for KeyRun {
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-    fn key(&self, t: usize) -> usize {
-        self.0.start + t
-    }
-}
-
-impl KeyList for &[u32] {
-    fn len(&self) -> usize {
-        <[u32]>::len(self)
-    }
-    fn key(&self, t: usize) -> usize {
-        self[t] as usize
-    }
 }
 
 /// Every slot's scores over `keys` (from a multiple of [`KEY_CHUNK`]), a chunk at a time, key `j`'s at

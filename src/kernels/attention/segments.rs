@@ -1,9 +1,9 @@
 //! Segments (the recipe's step 6): every row's visible list, its cut into segments of [`SEGMENT`]
 //! keys, where the segments leave their partial softmaxes, and their merge in a fixed order.
 
-use super::problem::Problem;
+use super::layout::Shape;
 use super::score::exp_nonpositive;
-use super::{KvElement, Visibility, LANES, SEGMENT};
+use super::{Visibility, LANES, SEGMENT};
 use crate::kernels::pool::SharedMut;
 
 /// Segments are units of their own where their results for step 6 take at most this many bytes (in
@@ -93,60 +93,59 @@ pub(super) struct Partials<'a> {
     pub(super) done: Vec<std::sync::atomic::AtomicUsize>,
 }
 
-impl<E: KvElement> Problem<'_, E> {
-    /// Step 6 for the given rows and the query heads of key/value head `kvh`, once every segment has
-    /// left its results (segment `k`'s in `segment(k)`).
-    #[inline(always)]
-    pub(super) fn merge<'s, 'a: 's>(
-        &self,
-        kvh: usize,
-        rows: std::ops::Range<usize>,
-        segment: impl Fn(usize) -> Slots<'s, 'a>,
-        out: &SharedMut<f32>,
-    ) {
-        let (hd, heads) = (self.shape.hd, self.shape.heads);
-        let group = heads / self.shape.kv_heads;
-        for (ri, r) in rows.enumerate() {
-            for g in 0..group {
-                // SAFETY: every unit writing these has finished, and this (row, head)'s output is this
-                // unit's alone.
-                let stats = |k: usize| {
-                    let at = segment(k);
-                    let st = unsafe { at.stats.unwrap().range(2 * at.slot(ri, g), 2) };
-                    (st[0], st[1])
-                };
-                let top = (0..self.segments).fold(f32::NEG_INFINITY, |m, k| m.max(stats(k).0));
-                let o = unsafe { out.range((r * heads + kvh * group + g) * hd, hd) };
-                let mut sum = None;
-                for k in 0..self.segments {
-                    let (m, sum_k) = stats(k);
-                    if m == f32::NEG_INFINITY {
-                        continue;
-                    }
-                    let w = exp_nonpositive(m - top);
-                    let at = segment(k);
-                    let o_k = unsafe { at.o.range(at.slot(ri, g) * hd, hd) };
-                    sum = Some(match sum {
-                        None => {
-                            for (x, &y) in o.iter_mut().zip(o_k.iter()) {
-                                *x = w * y;
-                            }
-                            w * sum_k
-                        }
-                        Some(sum) => {
-                            for (x, &y) in o.iter_mut().zip(o_k.iter()) {
-                                *x = w.mul_add(y, *x);
-                            }
-                            w.mul_add(sum_k, sum)
-                        }
-                    });
+/// Step 6 for the given rows and the query heads of key/value head `kvh`, once each of the `segments`
+/// has left its results (segment `k`'s in `segment(k)`).
+#[inline(always)]
+pub(super) fn merge<'s, 'a: 's>(
+    shape: &Shape,
+    segments: usize,
+    kvh: usize,
+    rows: std::ops::Range<usize>,
+    segment: impl Fn(usize) -> Slots<'s, 'a>,
+    out: &SharedMut<f32>,
+) {
+    let (hd, heads) = (shape.hd, shape.heads);
+    let group = heads / shape.kv_heads;
+    for (ri, r) in rows.enumerate() {
+        for g in 0..group {
+            // SAFETY: every unit writing these has finished, and this (row, head)'s output is this
+            // unit's alone.
+            let stats = |k: usize| {
+                let at = segment(k);
+                let st = unsafe { at.stats.unwrap().range(2 * at.slot(ri, g), 2) };
+                (st[0], st[1])
+            };
+            let top = (0..segments).fold(f32::NEG_INFINITY, |m, k| m.max(stats(k).0));
+            let o = unsafe { out.range((r * heads + kvh * group + g) * hd, hd) };
+            let mut sum = None;
+            for k in 0..segments {
+                let (m, sum_k) = stats(k);
+                if m == f32::NEG_INFINITY {
+                    continue;
                 }
-                match sum {
-                    None => o.fill(0.0),
-                    Some(sum) => {
-                        let inv = 1.0 / sum;
-                        o.iter_mut().for_each(|x| *x *= inv);
+                let w = exp_nonpositive(m - top);
+                let at = segment(k);
+                let o_k = unsafe { at.o.range(at.slot(ri, g) * hd, hd) };
+                sum = Some(match sum {
+                    None => {
+                        for (x, &y) in o.iter_mut().zip(o_k.iter()) {
+                            *x = w * y;
+                        }
+                        w * sum_k
                     }
+                    Some(sum) => {
+                        for (x, &y) in o.iter_mut().zip(o_k.iter()) {
+                            *x = w.mul_add(y, *x);
+                        }
+                        w.mul_add(sum_k, sum)
+                    }
+                });
+            }
+            match sum {
+                None => o.fill(0.0),
+                Some(sum) => {
+                    let inv = 1.0 / sum;
+                    o.iter_mut().for_each(|x| *x *= inv);
                 }
             }
         }

@@ -1,7 +1,8 @@
 //! Keys transposed for the scores: a unit's keys from rows into `[head_dim][keys]`, 16 x 16 blocks at a
 //! time on AVX-512 and 8 x 8 on AVX2 (pure data movement: the same values however it is done).
 
-use super::problem::{Problem, PREFETCH_KEYS};
+use super::layout::PREFETCH_KEYS;
+use super::problem::Problem;
 #[cfg(target_arch = "x86_64")]
 use super::LANES;
 use super::{KvElement, Width};
