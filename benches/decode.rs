@@ -45,6 +45,7 @@ fn decoding(c: &mut Criterion) {
         max_new_tokens: 32,
         sampling: Default::default(),
         stop_tokens: vec![],
+        max_block_rows: None,
     };
     let mut g = c.benchmark_group("decode_32_tokens");
     g.sample_size(10).measurement_time(Duration::from_secs(20));

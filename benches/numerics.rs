@@ -64,6 +64,7 @@ fn main() {
             max_new_tokens: tokens,
             sampling: Default::default(),
             stop_tokens: f32s.stop_tokens(),
+            max_block_rows: None,
         };
         let a = f32s
             .generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))

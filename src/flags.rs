@@ -16,6 +16,9 @@ use anyhow::{bail, Result};
 use candle_core::DType;
 use clap::{Args, ValueEnum};
 
+/// The most `--threads` per core of the machine.
+pub const THREADS_PER_CORE: usize = 4;
+
 #[derive(Args, Debug, Clone)]
 pub struct ModelArgs {
     /// HF checkpoint folder, GGUF file, or hub id (e.g. Qwen/Qwen3-0.6B). Default: SmolLM2-135M-Instruct GGUF.
@@ -72,11 +75,19 @@ pub enum ActivationsArg {
 
 impl ModelArgs {
     /// Applies `--threads` to the process: the kernel pool, rayon and candle all size themselves from
-    /// `RAYON_NUM_THREADS` when they first start. Call before anything has spawned a thread.
-    pub fn apply_threads(&self) {
+    /// `RAYON_NUM_THREADS` when they first start. Call before anything has spawned a thread. More than
+    /// [`THREADS_PER_CORE`] per core of this machine is an error: every thread spins between products, so
+    /// thousands of them only stall the machine.
+    pub fn apply_threads(&self) -> Result<()> {
         if let Some(n) = self.threads {
+            let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+            let most = THREADS_PER_CORE * cores;
+            if usize::from(n) > most {
+                bail!("--threads {n} is more than {THREADS_PER_CORE} per core of this machine's {cores}: at most {most}");
+            }
             std::env::set_var("RAYON_NUM_THREADS", n.to_string());
         }
+        Ok(())
     }
 
     pub fn options(&self) -> ModelOptions {

@@ -112,6 +112,7 @@ impl ModelOptions {
 ///     max_new_tokens: 64,
 ///     sampling: Default::default(), // greedy
 ///     stop_tokens: session.stop_tokens(),
+///     max_block_rows: None,
 /// };
 /// let mut text = StreamDecoder::new(&session.tokenizer);
 /// let g = session.generate(&prompt, &Method::default(), &params, &mut |t| {

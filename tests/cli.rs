@@ -734,3 +734,28 @@ fn the_cost_curve_is_saved_reused_and_replaced_when_corrupt() {
     let r = with_cache(&["cost", "--shape", "smollm2-135m", "--save"]);
     assert!(!r.status.success());
 }
+
+/// `--threads` far past the machine's cores is refused at once (thousands of spinning threads would only
+/// stall it), on every command that takes it.
+#[test]
+fn threads_far_past_the_cores_are_refused() {
+    let t = std::time::Instant::now();
+    for args in [
+        &["--threads", "4096", "--print-prompt", "Hi"][..],
+        &["serve", "-t", "1024"],
+    ] {
+        fails_with(args, None, "--threads");
+    }
+    assert!(t.elapsed().as_secs() < 30, "refusing took {:?}", t.elapsed());
+    let cores = std::thread::available_parallelism().unwrap().get();
+    let d = tiny_dir();
+    probespec(&[
+        "--model",
+        d.path().to_str().unwrap(),
+        "-t",
+        &cores.to_string(),
+        "--print-prompt",
+        "w1",
+    ])
+    .ok();
+}

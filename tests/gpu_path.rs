@@ -50,6 +50,7 @@ fn gpu_code_path_in_f32_same_seed_same_tokens_under_sampling() {
                     seed: seed + 100 * i as u64,
                 },
                 stop_tokens: vec![],
+                max_block_rows: None,
             };
             let want = run(&m, prompt, &Method::Ar, &params);
             for method in &methods {

@@ -160,6 +160,7 @@ fn same_seed_gives_identical_output_under_sampling_every_method() {
                             seed: seed + 100 * i as u64,
                         },
                         stop_tokens: vec![],
+                        max_block_rows: None,
                     };
                     let a = run(&model, prompt, &Method::Ar, &params);
                     for m in &methods {

@@ -279,6 +279,7 @@ fn gguf_and_safetensors_give_the_same_greedy_tokens() {
             max_new_tokens: 40,
             sampling: Default::default(),
             stop_tokens: vec![],
+            max_block_rows: None,
         };
         let run = |m: &Transformer| {
             generate(m, &IDS, &mut Autoregressive, &params, &mut |_| Ok(()))

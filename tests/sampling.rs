@@ -178,6 +178,7 @@ fn sample_pair_list(
             max_new_tokens: 3,
             sampling: SamplingParams { seed, ..*params },
             stop_tokens: vec![],
+            max_block_rows: None,
         };
         let g = run(model, context, m, &p);
         assert_eq!(g.tokens.len(), 3);

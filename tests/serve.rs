@@ -43,6 +43,7 @@ fn library_answer(
         max_new_tokens: max_new,
         sampling,
         stop_tokens: tok.stop_tokens().to_vec(),
+        max_block_rows: None,
     };
     let mut d = method.drafter(sampling.seed).unwrap();
     generate(&l.model, &prompt, d.as_mut(), &params, &mut |_| Ok(()))

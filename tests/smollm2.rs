@@ -80,6 +80,7 @@ fn greedy_answer_is_deterministic_and_sensible() {
             max_new_tokens: 24,
             sampling: Default::default(),
             stop_tokens: m.stop_tokens(),
+            max_block_rows: None,
         };
         let a = m
             .generate(&prompt, &Method::Ar, &params, &mut |_| Ok(()))
@@ -110,6 +111,7 @@ fn esp_is_lossless_on_42_specbench_prompts() {
         max_new_tokens: 48,
         sampling: Default::default(),
         stop_tokens: m.stop_tokens(),
+        max_block_rows: None,
     };
     let configs = [
         esp(30, 1, EspTree::Dynamic),
@@ -149,6 +151,7 @@ fn esp_is_lossless_where_attention_cuts_the_context_into_segments() {
         max_new_tokens: 32,
         sampling: Default::default(),
         stop_tokens: m.stop_tokens(),
+        max_block_rows: None,
     };
     let (questions, _) = probespec::bench::questions::bundled_questions();
     let mut long: Vec<Vec<u32>> = questions
@@ -199,6 +202,7 @@ fn the_f32_kv_cache_is_lossless_too() {
         max_new_tokens: 40,
         sampling: Default::default(),
         stop_tokens: m.stop_tokens(),
+        max_block_rows: None,
     };
     for (cat, text) in specbench_prompts(1) {
         let ids = m.encode_prompt(&text, None, true).unwrap();
@@ -227,6 +231,7 @@ fn every_method_with_bc_auto_is_lossless() {
         max_new_tokens: 48,
         sampling: Default::default(),
         stop_tokens: m.stop_tokens(),
+        max_block_rows: None,
     };
     let methods = [esp_auto(1), pld_auto(3), lookahead_auto(5, 7), hybrid_auto(1)];
     let mut histograms = vec![Vec::<usize>::new(); methods.len()];

@@ -411,6 +411,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
                 seed: a.seed,
             },
             stop_tokens: loaded.tokenizer.stop_tokens().to_vec(),
+            max_block_rows: None,
         },
         system: a.system.clone(),
     };

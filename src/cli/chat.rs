@@ -24,6 +24,7 @@ pub(super) fn run_chat(a: &GenerateArgs) -> Result<()> {
         max_new_tokens: a.sampling.max_new_tokens,
         sampling,
         stop_tokens: loaded.stop_tokens(),
+        max_block_rows: None,
     };
     let mut chat =
         crate::conversation::Conversation::new(&loaded.model, &loaded.tokenizer, a.system.clone())?;

@@ -88,7 +88,10 @@ pub fn main() -> i32 {
             return 2;
         }
     };
-    model_args(&cli).apply_threads();
+    if let Err(e) = model_args(&cli).apply_threads() {
+        eprintln!("error: {e:#}");
+        return 2;
+    }
     let result = match cli.command {
         Some(Command::Generate(args)) => oneshot::run_generate(&args),
         Some(Command::Bench(args)) => bench::run_bench(&args),

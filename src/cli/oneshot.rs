@@ -47,6 +47,7 @@ pub(super) fn run_generate(a: &GenerateArgs) -> Result<()> {
         max_new_tokens: a.sampling.max_new_tokens,
         sampling,
         stop_tokens: session.stop_tokens(),
+        max_block_rows: None,
     };
     let mut stream = StreamDecoder::new(&session.tokenizer);
     let stdout = std::io::stdout();

@@ -74,6 +74,10 @@ pub struct GenerateParams {
     pub max_new_tokens: usize,
     pub sampling: SamplingParams,
     pub stop_tokens: Vec<u32>,
+    /// The largest block a step may send, root and probe rows included (a server's `--max-bc`); `None`:
+    /// as large as the context window and the cache allow. A smaller block changes the speed, never the
+    /// tokens.
+    pub max_block_rows: Option<usize>,
 }
 
 /// Why decoding ended.
@@ -137,6 +141,7 @@ pub struct Generation {
 ///     max_new_tokens: 24,
 ///     sampling: Default::default(), // greedy
 ///     stop_tokens: vec![],
+///     max_block_rows: None,
 /// };
 /// let prompt = [5, 17, 9, 40, 17, 9];
 ///
@@ -274,6 +279,7 @@ pub fn generate_in(
         let root = *history.last().unwrap();
         let p0 = cache.len();
         let room = (ctx - p0).min(cache.capacity() - p0);
+        let room = params.max_block_rows.map_or(room, |most| room.min(most.max(1)));
 
         let t_draft = Instant::now();
         let mut draft = drafter.draft(root, &history, room);

@@ -139,7 +139,12 @@ pub struct HybridSpec {
 /// });
 /// assert!(too_many.validate().unwrap_err().to_string().contains("--masks"));
 ///
-/// let params = GenerateParams { max_new_tokens: 16, sampling: Default::default(), stop_tokens: vec![] };
+/// let params = GenerateParams {
+///     max_new_tokens: 16,
+///     sampling: Default::default(),
+///     stop_tokens: vec![],
+///     max_block_rows: None,
+/// };
 /// let prompt = [7, 3, 11, 3, 11, 7, 3];
 /// let run = |method: &Method| -> anyhow::Result<Vec<u32>> {
 ///     let mut drafter = method.drafter(0)?;

@@ -4,6 +4,7 @@
 //! body can be wrong ends here as an [`ApiError`] naming the field.
 
 use super::error::ApiError;
+use super::fields::{self, Endpoint};
 use crate::decode::generate::GenerateParams;
 use crate::decode::method::{Budget, Method};
 use crate::decode::sampling::SamplingParams;
@@ -11,6 +12,7 @@ use crate::flags::{MethodArg, MethodArgs, TreeArg};
 use crate::session::Session;
 use crate::tokenizer::{check_template_vars, Message, TemplateVars};
 use clap::ValueEnum;
+use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -52,8 +54,8 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Sampling and length fields common to both endpoints, and the fields that would change the answer in
-/// ways this server does not implement (refused rather than ignored).
+/// Sampling and length fields common to both endpoints (which other fields a body may carry:
+/// [`super::fields`]).
 #[derive(Debug, Deserialize, Default)]
 pub struct Common {
     pub model: Option<String>,
@@ -67,15 +69,8 @@ pub struct Common {
     pub stop: Option<Stop>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub n: Option<u64>,
     /// Not OpenAI's: vLLM's extension, generate to the length limit whatever the model says.
     pub ignore_eos: Option<bool>,
-    pub frequency_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub logprobs: Option<Value>,
-    pub logit_bias: Option<Value>,
-    pub tools: Option<Value>,
-    pub response_format: Option<Value>,
     /// probespec's own: the method and its budget for this request.
     pub probespec: Option<MethodOverrides>,
 }
@@ -101,9 +96,6 @@ pub enum PromptField {
 #[derive(Debug, Deserialize)]
 pub struct CompletionRequest {
     pub prompt: PromptField,
-    pub echo: Option<bool>,
-    pub suffix: Option<String>,
-    pub best_of: Option<u64>,
     #[serde(flatten)]
     pub common: Common,
 }
@@ -125,8 +117,8 @@ pub struct MethodOverrides {
 }
 
 impl MethodOverrides {
-    /// The method of the server's flags with these fields replaced, checked.
-    pub fn method(&self, defaults: &MethodArgs) -> Result<Method, ApiError> {
+    /// The method of the server's flags with these fields replaced, checked, and within `max_bc` rows.
+    pub fn method(&self, defaults: &MethodArgs, max_bc: usize) -> Result<Method, ApiError> {
         let param = |e: anyhow::Error| ApiError::invalid_param("probespec", format!("{e:#}"));
         let mut a = defaults.clone();
         if let Some(m) = &self.method {
@@ -173,18 +165,48 @@ impl MethodOverrides {
             a.branches = None;
             a.tree = TreeArg::Dynamic;
         }
+        if let Some((field, rows)) = over_block_cap(&a, max_bc) {
+            return Err(ApiError::invalid_param(
+                &format!("probespec.{field}"),
+                format!("probespec.{field} asks for blocks of {rows} rows, above this server's cap of {max_bc} (--max-bc)"),
+            ));
+        }
         let method = a.method().map_err(param)?;
         method.validate().map_err(param)?;
         Ok(method)
     }
 }
 
-/// The server's defaults for what a request leaves out.
+/// The first of the method flags `a` sets whose block would pass `max_bc` rows: the flag and the rows.
+/// Sizes left to `--bc auto` are not counted: a step never sends more than `max_bc` rows
+/// ([`GenerateParams::max_block_rows`]).
+pub fn over_block_cap(a: &MethodArgs, max_bc: usize) -> Option<(&'static str, usize)> {
+    let lookahead = a.method == MethodArg::Lookahead;
+    let tree = 1 + a.lookahead_guesses * a.lookahead_ngram.saturating_sub(1);
+    [
+        ("bc", if let Budget::Fixed(n) = a.bc { n } else { 0 }),
+        ("draft_len", a.draft_len.map_or(0, |d| d + 1)),
+        ("lookahead_window", a.lookahead_window.map_or(0, |w| w + 1)),
+        ("lookahead_guesses", if lookahead { tree } else { 0 }),
+    ]
+    .into_iter()
+    .find(|&(_, rows)| rows > max_bc)
+}
+
+/// The server's defaults for what a request leaves out, and its limits on what a request may ask.
 #[derive(Debug, Clone)]
 pub struct Defaults {
     pub method: MethodArgs,
     pub sampling: SamplingParams,
     pub max_new_tokens: usize,
+    /// The largest block a step may send (`--max-bc`).
+    pub max_bc: usize,
+    /// The largest `max_tokens` a request may ask for (`--max-tokens`).
+    pub max_tokens: Option<usize>,
+    /// Whether a request's `probespec` field is taken (not `--no-method-overrides`).
+    pub method_overrides: bool,
+    /// Read special-token strings in message contents as plain text (`--special-tokens-in-content text`).
+    pub contents_as_text: bool,
 }
 
 /// What the decoding thread needs for one request.
@@ -205,12 +227,18 @@ pub struct Parsed {
     pub prompt_opens_thinking: bool,
 }
 
-/// Parses a JSON body into `T`, as a 400 on any error.
-pub fn parse_body<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ApiError> {
+/// Parses a JSON body into `T` after checking its fields ([`fields::check`]), as a 400 on any error.
+pub fn parse_body<T: DeserializeOwned>(bytes: &[u8], endpoint: Endpoint) -> Result<T, ApiError> {
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::invalid("the request body is empty: send a JSON object"));
     }
-    serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+    let invalid = |e: serde_json::Error| ApiError::invalid(format!("invalid request body: {e}"));
+    let body: Value = serde_json::from_slice(bytes).map_err(invalid)?;
+    let Value::Object(fields) = &body else {
+        return Err(ApiError::invalid("invalid request body: send a JSON object"));
+    };
+    fields::check(fields, endpoint)?;
+    serde_json::from_value(body).map_err(invalid)
 }
 
 /// The chat request's messages as the chat template reads them.
@@ -283,11 +311,24 @@ pub fn chat_job(req: &ChatRequest, session: &Session, d: &Defaults) -> Result<Pa
             ))
         }
     };
-    let text = session
-        .tokenizer
-        .apply_chat_template_with(&messages, true, &vars)
-        .map_err(|e| ApiError::invalid_param("messages", format!("{e:#}")))?;
-    let prompt = encode(session, &text)?;
+    check_fits(messages.iter().map(|m| m.content.len()).sum(), session)?;
+    let template_error = |e: anyhow::Error| ApiError::invalid_param("messages", format!("{e:#}"));
+    let (text, prompt) = if d.contents_as_text {
+        session
+            .tokenizer
+            .encode_chat_contents_as_text(&messages, true, &vars)
+            .map_err(template_error)?
+    } else {
+        let text = session
+            .tokenizer
+            .apply_chat_template_with(&messages, true, &vars)
+            .map_err(template_error)?;
+        let ids = encode(session, &text)?;
+        (text, ids)
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::invalid("the prompt is empty after tokenisation"));
+    }
     let mut parsed = job(&req.common, prompt, session, d)?;
     parsed.prompt_opens_thinking = super::reasoning::opens_thinking(&text);
     Ok(parsed)
@@ -295,9 +336,6 @@ pub fn chat_job(req: &ChatRequest, session: &Session, d: &Defaults) -> Result<Pa
 
 /// A completion request -> its job: the prompt as it is, no template (one-shot's --no-chat-template).
 pub fn completion_job(req: &CompletionRequest, session: &Session, d: &Defaults) -> Result<Parsed, ApiError> {
-    if req.echo == Some(true) || req.suffix.is_some() || req.best_of.is_some_and(|b| b != 1) {
-        return Err(ApiError::invalid("echo, suffix and best_of are not supported"));
-    }
     let text = match &req.prompt {
         PromptField::One(t) => t,
         PromptField::Many(v) if v.len() == 1 => &v[0],
@@ -311,8 +349,22 @@ pub fn completion_job(req: &CompletionRequest, session: &Session, d: &Defaults) 
     if text.trim().is_empty() {
         return Err(ApiError::invalid_param("prompt", "the prompt is empty"));
     }
+    check_fits(text.len(), session)?;
     let prompt = encode(session, text)?;
     job(&req.common, prompt, session, d)
+}
+
+/// Refuses, without tokenising it, a prompt whose `bytes` of text cannot fit the context window whatever
+/// its tokens: a multi-megabyte body costs no more than its parsing.
+fn check_fits(bytes: usize, session: &Session) -> Result<(), ApiError> {
+    let ctx = session.model.config.max_position_embeddings;
+    let fewest = session.tokenizer.fewest_tokens(bytes);
+    if fewest >= ctx {
+        return Err(ApiError::invalid(format!(
+            "the prompt is at least {fewest} tokens ({bytes} bytes of text), longer than the model's context window of {ctx} tokens"
+        )));
+    }
+    Ok(())
 }
 
 fn encode(session: &Session, text: &str) -> Result<Vec<u32>, ApiError> {
@@ -328,7 +380,6 @@ fn encode(session: &Session, text: &str) -> Result<Vec<u32>, ApiError> {
 
 /// The fields both endpoints share, checked against the model's context window.
 fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<Parsed, ApiError> {
-    refuse_unsupported(c)?;
     let ctx = session.model.config.max_position_embeddings;
     if prompt.len() >= ctx {
         return Err(ApiError::invalid(format!(
@@ -341,9 +392,16 @@ fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<
         (Some(n), _) => ("max_completion_tokens", Some(n)),
         (None, n) => ("max_tokens", n),
     };
+    let cap = d.max_tokens.unwrap_or(usize::MAX);
     let max_new_tokens = match asked {
-        None => d.max_new_tokens.min(room),
+        None => d.max_new_tokens.min(room).min(cap),
         Some(0) => return Err(ApiError::invalid_param(name, format!("{name} must be at least 1"))),
+        Some(n) if n > cap as u64 => {
+            return Err(ApiError::invalid_param(
+                name,
+                format!("{name} is {n}, above this server's cap of {cap} (--max-tokens)"),
+            ))
+        }
         Some(n) if n > room as u64 => {
             return Err(ApiError::invalid_param(
                 name,
@@ -391,10 +449,16 @@ fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<
             format!("stop takes at most {MAX_STOP_STRINGS} non-empty strings"),
         ));
     }
-    let method = c.probespec.as_ref().map_or_else(
-        || MethodOverrides::default().method(&d.method),
-        |o| o.method(&d.method),
-    )?;
+    if c.probespec.is_some() && !d.method_overrides {
+        return Err(ApiError::invalid_param(
+            "probespec",
+            "this server decodes every request with its own method (--no-method-overrides)",
+        ));
+    }
+    let method = match &c.probespec {
+        Some(o) => o.method(&d.method, d.max_bc)?,
+        None => MethodOverrides::default().method(&d.method, d.max_bc)?,
+    };
     let stop_tokens = if c.ignore_eos == Some(true) {
         Vec::new()
     } else {
@@ -408,54 +472,11 @@ fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<
                 max_new_tokens,
                 sampling,
                 stop_tokens,
+                max_block_rows: Some(d.max_bc),
             },
             stop,
         },
         stream: c.stream == Some(true),
         prompt_opens_thinking: false,
     })
-}
-
-/// Fields that would change the answer in a way this server does not implement.
-fn refuse_unsupported(c: &Common) -> Result<(), ApiError> {
-    let refuse = |p: &str| {
-        Err(ApiError::invalid_param(
-            p,
-            format!("{p} is not supported by this server"),
-        ))
-    };
-    if c.n.is_some_and(|n| n != 1) {
-        return refuse("n");
-    }
-    if c.frequency_penalty.is_some_and(|v| v != 0.0) {
-        return refuse("frequency_penalty");
-    }
-    if c.presence_penalty.is_some_and(|v| v != 0.0) {
-        return refuse("presence_penalty");
-    }
-    if c.logprobs
-        .as_ref()
-        .is_some_and(|v| !v.is_null() && v != &Value::Bool(false))
-    {
-        return refuse("logprobs");
-    }
-    if c.logit_bias
-        .as_ref()
-        .is_some_and(|v| v.as_object().is_some_and(|o| !o.is_empty()))
-    {
-        return refuse("logit_bias");
-    }
-    if c.tools
-        .as_ref()
-        .is_some_and(|v| v.as_array().is_some_and(|a| !a.is_empty()))
-    {
-        return refuse("tools");
-    }
-    if c.response_format
-        .as_ref()
-        .is_some_and(|v| v.get("type").is_some_and(|t| t != "text"))
-    {
-        return refuse("response_format");
-    }
-    Ok(())
 }

@@ -1,5 +1,6 @@
 //! `probespec serve`'s flags: the model, numerics and method flags of one-shot generation (the defaults of
-//! every request), the address, the access key and the queue's size.
+//! every request), the address, the access key, the queue's size, and the limits that keep one client
+//! from holding the server (connections, timeouts, the largest block and answer a request may ask for).
 
 use crate::decode::sampling::SamplingParams;
 use crate::flags::{MethodArgs, ModelArgs, SamplingArgs};
@@ -26,6 +27,32 @@ pub struct ServeArgs {
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
+    /// Most connections open at once; one more is answered 503 and closed.
+    #[arg(long, default_value_t = 64)]
+    pub max_connections: usize,
+    /// Seconds a connection has to send a request's headers, and may stay idle between requests, before
+    /// it is closed.
+    #[arg(long, default_value_t = 10)]
+    pub header_timeout: u64,
+    /// Seconds a request has to send its whole body (408 after).
+    #[arg(long, default_value_t = 30)]
+    pub body_timeout: u64,
+    /// The largest block (tokens per forward pass, probes included) a step may send: a request asking for
+    /// more with `probespec.bc`, `draft_len` or the lookahead sizes gets a 400 that says this cap.
+    #[arg(long, default_value_t = 64)]
+    pub max_bc: usize,
+    /// The largest `max_tokens` a request may ask for (default: what the context window leaves).
+    #[arg(long)]
+    pub max_tokens: Option<usize>,
+    /// Refuse a request's `probespec` field (its method and budget) with a 400: every request decodes with
+    /// the server's method flags.
+    #[arg(long)]
+    pub no_method_overrides: bool,
+    /// How special-token strings in chat messages' contents are read: special (as transformers renders a
+    /// template: `<|im_end|>` in a user message is that control token) or text (tokenised as plain text,
+    /// so that a message cannot end its turn and forge another role).
+    #[arg(long, value_enum, default_value_t = SpecialTokens::Special)]
+    pub special_tokens_in_content: SpecialTokens,
     /// How a chat answer's thinking (a `<think>` block, as Qwen 3's) is sent: none (in the content, as the
     /// one-shot CLI prints it) or deepseek (apart, in `reasoning_content`, as vLLM's and llama.cpp's
     /// reasoning parsers send it).
@@ -37,6 +64,13 @@ pub struct ServeArgs {
     pub method: MethodArgs,
     #[command(flatten)]
     pub sampling: SamplingArgs,
+}
+
+/// How special-token strings in message contents are read (`--special-tokens-in-content`).
+#[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SpecialTokens {
+    Special,
+    Text,
 }
 
 /// Where a chat answer's thinking goes (`--reasoning-format`).
@@ -51,6 +85,15 @@ impl ServeArgs {
     pub fn sampling(&self) -> Result<SamplingParams> {
         if self.queue == 0 {
             bail!("--queue must be at least 1");
+        }
+        if self.max_connections == 0 {
+            bail!("--max-connections must be at least 1");
+        }
+        if self.header_timeout == 0 || self.body_timeout == 0 {
+            bail!("--header-timeout and --body-timeout must be at least 1 second");
+        }
+        if self.max_bc == 0 || self.max_tokens == Some(0) {
+            bail!("--max-bc and --max-tokens must be at least 1");
         }
         self.sampling.params()
     }

@@ -7,14 +7,21 @@
 //! throughput. A request whose prompt starts with the previous prompt and answer (a multi-turn client)
 //! prefills only the new part.
 //!
-//! Modules: [`args`] (flags), [`api`] (request bodies -> jobs), [`queue`] (the queue, events, counters),
-//! [`worker`] (the decoding thread), [`stop`] (stop strings), [`respond`] (answers and streamed chunks),
-//! [`reasoning`] (a chat answer's thinking apart from its reply),
-//! [`routes`] (HTTP routes, API key), [`error`] (OpenAI-shaped errors).
+//! One client cannot hold the server: connections are bounded and time out (`listen`), a body has a size
+//! and a time limit, a prompt that cannot fit the context is refused before it is tokenised, tokenising
+//! runs off the threads that answer other requests, and a request's block and answer are capped.
+//!
+//! Modules: [`args`] (flags), [`listen`] (the accept loop, connection limits), [`routes`] (HTTP routes,
+//! API key, bodies), [`fields`] (which request fields are read, ignored or refused), [`api`] (request
+//! bodies -> jobs), [`queue`] (the queue, events, counters), [`worker`] (the decoding thread), [`stop`]
+//! (stop strings), [`respond`] (answers and streamed chunks), [`reasoning`] (a chat answer's thinking
+//! apart from its reply), [`error`] (OpenAI-shaped errors).
 
 pub mod api;
 pub mod args;
 pub mod error;
+pub mod fields;
+pub mod listen;
 pub mod queue;
 pub mod reasoning;
 pub mod respond;
@@ -28,12 +35,20 @@ use crate::model::load::{default_model_path, ModelSource};
 use crate::session::Session;
 use anyhow::{Context, Result};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Loads the model, binds, and serves until Ctrl-C.
 pub fn run(a: &ServeArgs) -> Result<()> {
     let sampling = a.sampling()?;
     let method = a.method.method()?;
     method.validate()?;
+    if let Some((flag, rows)) = api::over_block_cap(&a.method, a.max_bc) {
+        anyhow::bail!(
+            "--{} asks for blocks of {rows} rows, above --max-bc {}",
+            flag.replace('_', "-"),
+            a.max_bc
+        );
+    }
     let api_key = a.api_key()?;
     let session = Arc::new(Session::load(&a.model.options())?);
     let (queue, jobs) = queue::Queue::new(a.queue);
@@ -54,11 +69,16 @@ pub fn run(a: &ServeArgs) -> Result<()> {
                 method: a.method.clone(),
                 sampling,
                 max_new_tokens: a.sampling.max_new_tokens,
+                max_bc: a.max_bc,
+                max_tokens: a.max_tokens,
+                method_overrides: !a.no_method_overrides,
+                contents_as_text: a.special_tokens_in_content == args::SpecialTokens::Text,
             },
             model_id: model_id(a.model.model.as_deref()),
             api_key,
             started: respond::unix_now(),
             max_body: a.max_body,
+            body_timeout: Duration::from_secs(a.body_timeout),
             reasoning: a.reasoning_format == args::ReasoningFormat::Deepseek,
         };
         eprintln!(
@@ -72,12 +92,15 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             },
         );
         let app = routes::router(Arc::new(state));
-        axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                let _ = tokio::signal::ctrl_c().await;
-            })
-            .await
-            .context("the server failed")
+        let limits = listen::Limits {
+            max_connections: a.max_connections,
+            header_timeout: Duration::from_secs(a.header_timeout),
+        };
+        listen::serve(listener, app, limits, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await;
+        Ok(())
     })
 }
 

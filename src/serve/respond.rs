@@ -16,12 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc::UnboundedReceiver;
 
-/// Which endpoint's shapes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Endpoint {
-    Chat,
-    Completion,
-}
+pub use super::fields::Endpoint;
 
 /// The fields every object of one answer shares.
 #[derive(Debug, Clone)]

@@ -19,6 +19,8 @@ use subtle::ConstantTimeEq;
 
 /// What every handler shares.
 pub struct AppState {
+    /// Seconds a request has to send its whole body (`--body-timeout`).
+    pub body_timeout: std::time::Duration,
     pub session: Arc<Session>,
     pub queue: Queue,
     pub defaults: Defaults,
@@ -50,20 +52,27 @@ pub fn router(state: Shared) -> Router {
         .with_state(state)
 }
 
-/// Whether `given` is `Authorization: Bearer KEY`, compared in constant time.
+/// Whether `given` is `Authorization: Bearer KEY` (the scheme in any case, as HTTP's schemes are), the
+/// key compared in constant time.
 fn key_matches(given: Option<&[u8]>, key: &str) -> bool {
     let Some(given) = given else { return false };
-    let Some(token) = given.strip_prefix(b"Bearer ") else {
+    let Some(space) = given.iter().position(|&b| b == b' ') else {
         return false;
     };
-    token.ct_eq(key.as_bytes()).into()
+    let (scheme, token) = (&given[..space], given[space..].trim_ascii_start());
+    scheme.eq_ignore_ascii_case(b"Bearer") && bool::from(token.ct_eq(key.as_bytes()))
 }
 
 async fn require_key(State(state): State<Shared>, request: Request, next: Next) -> Response {
     if let Some(key) = &state.api_key {
         let given = request.headers().get(header::AUTHORIZATION).map(|v| v.as_bytes());
         if !key_matches(given, key) {
-            return ApiError::unauthorized().into_response();
+            let mut response = ApiError::unauthorized().into_response();
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                header::HeaderValue::from_static("Bearer"),
+            );
+            return response;
         }
     }
     next.run(request).await
@@ -89,10 +98,26 @@ async fn models(State(state): State<Shared>) -> Response {
     .into_response()
 }
 
-/// The body, or an OpenAI-shaped error (413 past `limit`). A body past the limit is still read to its end
-/// (up to four times the limit, at least 16 MiB) and dropped before the answer: a client that is still
-/// sending it would otherwise meet a reset connection instead of the 413.
-async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
+/// The body, or an OpenAI-shaped error: 413 past `limit`, 408 when it has not come whole within
+/// `timeout`.
+async fn read_body(body: Body, limit: usize, timeout: std::time::Duration) -> Result<Bytes, ApiError> {
+    tokio::time::timeout(timeout, read_body_within(body, limit))
+        .await
+        .unwrap_or_else(|_| {
+            Err(ApiError::with_status(
+                StatusCode::REQUEST_TIMEOUT,
+                format!(
+                    "the request body did not arrive within {} s (--body-timeout)",
+                    timeout.as_secs()
+                ),
+            ))
+        })
+}
+
+/// A body past the limit is still read to its end (up to four times the limit, at least 16 MiB) and
+/// dropped before the answer: a client that is still sending it would otherwise meet a reset connection
+/// instead of the 413.
+async fn read_body_within(body: Body, limit: usize) -> Result<Bytes, ApiError> {
     let drain_cap = limit.saturating_mul(4).max(16 << 20);
     let mut stream = body.into_data_stream();
     let (mut bytes, mut seen) = (Vec::new(), 0usize);
@@ -120,23 +145,38 @@ async fn read_body(body: Body, limit: usize) -> Result<Bytes, ApiError> {
 }
 
 async fn chat(State(state): State<Shared>, b: Body) -> Response {
-    let b = read_body(b, state.max_body).await;
-    let run = || -> Result<_, ApiError> {
-        let bytes = b?;
-        let req: ChatRequest = api::parse_body(&bytes)?;
+    let parsed = prepare(&state, b, Endpoint::Chat, |bytes, state| {
+        let req: ChatRequest = api::parse_body(bytes, Endpoint::Chat)?;
         api::chat_job(&req, &state.session, &state.defaults)
-    };
-    answer(&state, Endpoint::Chat, run()).await
+    });
+    answer(&state, Endpoint::Chat, parsed.await).await
 }
 
 async fn completions(State(state): State<Shared>, b: Body) -> Response {
-    let b = read_body(b, state.max_body).await;
-    let run = || -> Result<_, ApiError> {
-        let bytes = b?;
-        let req: CompletionRequest = api::parse_body(&bytes)?;
+    let parsed = prepare(&state, b, Endpoint::Completion, |bytes, state| {
+        let req: CompletionRequest = api::parse_body(bytes, Endpoint::Completion)?;
         api::completion_job(&req, &state.session, &state.defaults)
-    };
-    answer(&state, Endpoint::Completion, run()).await
+    });
+    answer(&state, Endpoint::Completion, parsed.await).await
+}
+
+/// Reads the body, then parses, renders and tokenises it on a blocking thread: a large prompt's
+/// tokenising never holds the threads that answer other requests and `/health`.
+async fn prepare(
+    state: &Shared,
+    body: Body,
+    endpoint: Endpoint,
+    parse: fn(&[u8], &AppState) -> Result<api::Parsed, ApiError>,
+) -> Result<api::Parsed, ApiError> {
+    let bytes = read_body(body, state.max_body, state.body_timeout).await?;
+    let state = state.clone();
+    tokio::task::spawn_blocking(move || parse(&bytes, &state))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::internal(format!(
+                "preparing the {endpoint:?} request failed: {e}"
+            )))
+        })
 }
 
 /// Queues a parsed request and answers it, streamed or whole.

@@ -6,6 +6,7 @@
 //! `tokenizers::Tokenizer` plus the special-token facts the model's conventions need.
 
 mod gguf_vocab;
+mod plain_contents;
 mod stream;
 pub(crate) mod template;
 
@@ -65,6 +66,12 @@ pub struct TextTokenizer {
     eos_token: String,
     stop_tokens: Vec<u32>,
     vocab_size: usize,
+    /// The most bytes of input text one token can stand for (an upper bound: a text of B bytes has at
+    /// least B / this many tokens).
+    longest_token_bytes: usize,
+    /// `inner` with special-token strings read as plain text, made on first use
+    /// ([`TextTokenizer::encode_chat_contents_as_text`]).
+    plain: std::sync::OnceLock<tokenizers::Tokenizer>,
     chat_template: Option<ChatTemplate>,
     /// Variables every rendering passes to the chat template (`--chat-template-kwargs`).
     template_vars: TemplateVars,
@@ -176,12 +183,15 @@ impl TextTokenizer {
         let piece = |id: Option<u32>| id.and_then(|i| inner.id_to_token(i)).unwrap_or_default();
         let bos_token = piece(special.bos_id);
         let eos_token = piece(special.eos_ids.first().copied());
-        // Ids may have gaps (an added token past the model vocabulary), so count by the largest.
-        let vocab_size = inner
-            .get_vocab(true)
-            .values()
-            .max()
-            .map_or(0, |&m| m as usize + 1);
+        // Ids may have gaps (an added token past the model vocabulary), so count by the largest. A token's
+        // text in the vocabulary takes at least as many bytes as the text it decodes to (byte-level
+        // symbols, SentencePiece's `▁`, `<0x41>` byte tokens all shrink), so its longest is a bound.
+        let vocab = inner.get_vocab(true);
+        let vocab_size = vocab.values().max().map_or(0, |&m| m as usize + 1);
+        // A normaliser may shrink a text before it is cut into tokens (NFKC turns some 3-byte characters
+        // into one byte): then the bound allows for that.
+        let shrink = if inner.get_normalizer().is_some() { 3 } else { 1 };
+        let longest_token_bytes = shrink * vocab.keys().map(String::len).max().unwrap_or(1).max(1);
         Self {
             inner,
             bos_id: special.bos_id,
@@ -190,6 +200,8 @@ impl TextTokenizer {
             eos_token,
             stop_tokens,
             vocab_size,
+            longest_token_bytes,
+            plain: std::sync::OnceLock::new(),
             chat_template: chat_template.map(ChatTemplate::new),
             template_vars: TemplateVars::new(),
         }
@@ -208,16 +220,23 @@ impl TextTokenizer {
             .inner
             .encode(text, false)
             .map_err(|e| anyhow!("tokenizing failed: {e}"))?;
-        let ids = enc.get_ids();
+        Ok(self.with_bos(enc.get_ids().to_vec()))
+    }
+
+    /// `ids` with BOS in front when the model's convention asks for it and they do not start with it.
+    fn with_bos(&self, mut ids: Vec<u32>) -> Vec<u32> {
         match self.bos_id {
             Some(bos) if self.add_bos && ids.first() != Some(&bos) => {
-                let mut out = Vec::with_capacity(ids.len() + 1);
-                out.push(bos);
-                out.extend_from_slice(ids);
-                Ok(out)
+                ids.insert(0, bos);
+                ids
             }
-            _ => Ok(ids.to_vec()),
+            _ => ids,
         }
+    }
+
+    /// The fewest tokens a text of `bytes` bytes can take: a check that needs no tokenising.
+    pub fn fewest_tokens(&self, bytes: usize) -> usize {
+        bytes.div_ceil(self.longest_token_bytes)
     }
 
     /// Text of `ids`, special tokens skipped.

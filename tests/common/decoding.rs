@@ -50,6 +50,7 @@ pub fn greedy(max_new: usize, stops: Vec<u32>) -> GenerateParams {
         max_new_tokens: max_new,
         sampling: Default::default(),
         stop_tokens: stops,
+        max_block_rows: None,
     }
 }
 

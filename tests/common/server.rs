@@ -65,6 +65,22 @@ impl Server {
         format!("{}{path}", self.base)
     }
 
+    /// `host:port`, for raw connections.
+    pub fn addr(&self) -> &str {
+        self.base.trim_start_matches("http://")
+    }
+
+    /// The server's resident memory in MiB (Linux).
+    pub fn rss_mib(&self) -> f64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).unwrap();
+        let kb: f64 = status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS in /proc/PID/status");
+        kb / 1024.0
+    }
+
     /// `GET /health`.
     pub fn health(&self) -> Value {
         let (status, body) = get(&self.url("/health"), None);
