@@ -26,6 +26,13 @@ MARKER = re.compile(r"(<!-- table (\S+) (\S+) -->\n)(.*?)(<!-- /table -->)", re.
 GROUPS = ["mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"]
 GROUP_NAMES = ["MT-bench", "translation", "summarisation", "QA", "math", "RAG"]
 METHODS = ["pld", "hybrid", "lookahead", "esp"]
+# The CPU of each kind's folder, as the README's results table names it (a record says only "AMD EPYC").
+KINDS = {
+    "zen3-avx2": "AMD EPYC Zen 3 (AVX2, no VNNI)",
+    "zen4-avx512": "AMD EPYC Zen 4 (AVX-512 VNNI)",
+    "zen5-avx512": "AMD EPYC Zen 5 (AVX-512 VNNI)",
+    "xeon-amx": "Intel Xeon (AVX-512 VNNI, AMX)",
+}
 sys.path.insert(0, HERE)
 import shapes_table  # noqa: E402  (the same renderers compare-llamacpp.py prints with)
 
@@ -115,9 +122,6 @@ def groups_view(folder, view):
     head = (provenance_line(bench_provenance(inv)) + f" {settings['max_new_tokens']} new tokens, {weights}, "
             f"{n} questions.")
     lines = [head, "",
-             "Cells: tau (tokens committed per model call) / median of the per-question speed-ups over plain "
-             "decoding (tokens/s of each question's turns). Overall: also the 25th-75th percentiles, and "
-             "Spec-Bench's `speed.py` figure (ratio of mean tokens/s).", "",
              "| method | " + " | ".join(GROUP_NAMES) + " | overall | speed.py | plain steps | mismatches |",
              "|---|" + "---|" * (len(GROUPS) + 4)]
     for c in summary["configs"]:
@@ -169,7 +173,8 @@ def readme_view(kind):
     commits = sorted(set(commits), key=commits.index)
     p = shapes["provenance"]
     feats = ", ".join(p.get("cpu_features", []))
-    lines = [f"{p['cpu']} ({feats}), 2 threads; {', '.join(sorted(dates))}; commit {', '.join(commits)}. "
+    cpu = KINDS.get(kind, f"{p['cpu']} ({feats})")
+    lines = [f"{cpu}, 2 threads; {', '.join(sorted(dates))}; commit {', '.join(commits)}. "
              "Plain decoding: probespec's tok/s over llama.cpp's `llama-bench` on the same file, median of "
              f"{p['rounds']} interleaved rounds (range of the rounds' ratios). Methods: median speed-up over "
              "plain decoding per Spec-Bench question, "

@@ -149,7 +149,7 @@ def run(a, tools, run_cmd, prompt):
 def steady_ratios(x):
     """Paired ratios (probespec / llama.cpp tok/s) of the rounds whose three read-loop readings lie within
     15% of each other."""
-    rounds = zip(x["lc_tps"], x["ps_tps"], x["lc_read"], x["ps_read"], x.get("ps_read_after", []))
+    rounds = zip(x["lc_tps"], x["ps_tps"], x.get("lc_read", []), x.get("ps_read", []), x.get("ps_read_after", []))
     return [p / l for l, p, *reads in rounds if None not in reads and min(reads) >= 0.85 * max(reads)]
 
 
@@ -160,10 +160,10 @@ def plain_table(record, n, threads):
              "bandwidth used, llama.cpp / probespec | ratio in steady rounds |",
              "|---|---|---|---|---|---|---|"]
     for name, x in record.items():
-        if not x["ps_tps"]:
+        if not x.get("ps_tps"):
             continue
         short = "" if min(x["ps_new"]) == NEW_TOKENS else f" (stopped at {min(x['ps_new'])} tokens)"
-        reads = x["lc_read"] + x["ps_read"]
+        reads = x.get("lc_read", []) + x.get("ps_read", [])
         readings, used = "n/a", "n/a"
         if reads and None not in reads and "bytes" in x:
             gb = x["bytes"] / 1e9
