@@ -7,10 +7,17 @@
 //! divides those by the block's cost at the current cache length (the [`CostCurve`]) plus one vocabulary
 //! projection per expected accepted level, and keeps the best; plain decoding is one row and one token.
 //! After a run of plain steps it asks for one small exploring block, so acceptance keeps being observed and
-//! speculation can come back when the text becomes predictable. Exploring is paid from a budget: what the
-//! exploring blocks cost beyond plain steps (priced by the curve) stays within [`EXPLORE_SHARE`] of the
-//! steps' cost so far, plus [`WIN_BACK_SHARE`] of the time speculation has measurably saved, so a method
-//! that never pays costs at most about 1% over plain decoding, and one that does may look for more.
+//! speculation can come back when the text becomes predictable.
+//!
+//! What speculation may lose is bounded against the time measured (the prefill's included): every block
+//! that commits less than its price would have bought as plain steps adds the difference to a loss, and
+//! what speculation gained is summed apart (prices from the curve as the timed steps correct it). An exploring block is sent only if the loss, were it to commit nothing, would
+//! stay within [`EXPLORE_SHARE`] of the time so far (the prefill's included) plus [`WIN_BACK_SHARE`] of
+//! the gains. A block the drafter's model expects to pay is trusted to it until [`TRUSTED_FAILURES`]
+//! speculative blocks in a row have committed nothing beyond the bonus token; from there on, until one
+//! commits a draft, it must fit the same budget with all of the gains. So a method whose drafts keep
+//! failing, whatever its model says, stops and costs about 1% over plain decoding (and a few blocks);
+//! one that pays may spend part of what it won looking for more.
 //!
 //! How a drafter estimates acceptance is its own: ESP from the rank of the committed token among its
 //! mask's candidates, the chain and trie drafters from [`Rate`]s counted per source and depth.
@@ -54,12 +61,16 @@ const COST_PRIOR_STEPS: f64 = 3.0;
 pub const EXPLORE_EVERY: usize = 8;
 /// ... and after each exploration that does not bring speculation back, twice as many, up to this ...
 pub const EXPLORE_EVERY_MAX: usize = 64;
-/// ... if the budget allows: the exploring blocks' cost beyond plain steps stays within this share of
-/// the cost of every step so far ...
+/// ... if the budget allows. What speculative blocks lost against plain decoding stays within this share
+/// of the time so far ...
 pub const EXPLORE_SHARE: f64 = 0.01;
-/// ... plus this share of what the speculative steps saved against plain decoding (their committed
-/// tokens at one plain step each, less their block's cost): exploring is paid from what it can win back.
+/// ... plus what they gained (their committed tokens at one plain step each, less their seconds): all of
+/// it for an offer the drafter's model expects to pay, this share of it for an exploring block.
 pub const WIN_BACK_SHARE: f64 = 0.25;
+/// Speculative blocks in a row that committed no draft after which offers are held to the loss budget: a
+/// few failures are the price of drafts that pay later (a lookup chain's first match often does not);
+/// a run of them is evidence against the drafter's model.
+pub const TRUSTED_FAILURES: usize = 8;
 
 /// Accepted levels whose logits the verifier's first projection usually holds already (it fetches the
 /// first-child path ahead, up to [`LOGIT_ROWS`](super::cost_curve::LOGIT_ROWS) rows).
@@ -114,20 +125,26 @@ pub struct Chooser {
     last_priced: Option<(usize, f64)>,
     /// Rows of the drafter's exploring block.
     explore_rows: usize,
-    /// Curve seconds of every step chosen so far, of what the explorations cost beyond plain steps,
-    /// and of what the verified offers saved against plain decoding (negative when they lost).
+    /// Seconds so far: the prefill's and every step's, as measured (the curve's price for a step that
+    /// carries no time).
     spent: f64,
+    /// What the speculative blocks (offers and explorations) lost and gained against plain decoding: a
+    /// block's seconds less what its committed tokens would have cost as plain steps, summed apart.
+    lost: f64,
+    gained: f64,
+    /// Seconds the exploring blocks cost beyond a plain step each.
     explored: f64,
-    saved: f64,
+    /// Speculative blocks in a row (offers and explorations) that committed no draft.
+    failed_in_a_row: usize,
 }
 
-/// The offer chosen for a step, to learn from its verification.
+/// The block chosen for a step, to learn from its verification.
 #[derive(Debug, Clone, Copy)]
 struct Pending {
-    /// Drafted tokens it promised (the bonus token excluded).
-    promised: f64,
+    /// Drafted tokens an offer promised (the bonus token excluded); `None` for an exploring block.
+    promised: Option<f64>,
     class: usize,
-    /// Its block's curve seconds and one plain step's, at the step's cache length.
+    /// Its block's predicted seconds and one plain step's, at the step's cache length.
     seconds: f64,
     plain_seconds: f64,
 }
@@ -148,8 +165,10 @@ impl Chooser {
             last_priced: None,
             explore_rows: 2,
             spent: 0.0,
+            lost: 0.0,
+            gained: 0.0,
             explored: 0.0,
-            saved: 0.0,
+            failed_in_a_row: 0,
         }
     }
 
@@ -160,18 +179,45 @@ impl Chooser {
         self
     }
 
-    /// Curve seconds the explorations cost beyond plain steps so far, and of every step chosen.
+    /// A chooser whose request has already taken `seconds`: tests of the pricing, where the loss budget
+    /// should not bind.
+    #[cfg(test)]
+    pub(crate) fn with_time_spent(mut self, seconds: f64) -> Self {
+        self.spent = seconds;
+        self
+    }
+
+    /// Seconds the explorations cost beyond a plain step each so far, and the seconds so far.
     pub fn exploration_cost(&self) -> (f64, f64) {
         (self.explored, self.spent)
     }
 
-    /// Whether some offer beats plain decoding after `context` cached tokens (nothing is chosen or
-    /// counted): a drafter asks before paying for what only a speculative step would use.
+    /// Seconds the speculative blocks lost and gained against plain decoding so far.
+    pub fn losses_and_gains(&self) -> (f64, f64) {
+        (self.lost, self.gained)
+    }
+
+    /// Whether some offer beats plain decoding after `context` cached tokens and may be sent (nothing is
+    /// chosen or counted): a drafter asks before paying for what only a speculative step would use.
     pub fn would_speculate(&self, context: usize, offers: &[Offer]) -> bool {
         let plain = self.rate(Offer { rows: 1, tokens: 1.0 }, context);
         offers
             .iter()
-            .any(|&o| self.rate(o, context) > plain * (1.0 + 1e-9))
+            .any(|&o| self.rate(o, context) > plain * (1.0 + 1e-9) && self.offer_allowed(o.rows, context))
+    }
+
+    /// Whether an offer of `rows` may be sent after `context` cached tokens: trusted to the drafter's
+    /// model unless [`TRUSTED_FAILURES`] blocks in a row committed nothing, else only within the loss
+    /// budget with all of the gains.
+    fn offer_allowed(&self, rows: usize, context: usize) -> bool {
+        self.failed_in_a_row < TRUSTED_FAILURES || self.within_budget(rows, context, 1.0)
+    }
+
+    /// Whether a block of `rows` after `context` cached tokens, were it to commit only its bonus token,
+    /// would leave the loss within [`EXPLORE_SHARE`] of the time so far plus `share` of the gains.
+    fn within_budget(&self, rows: usize, context: usize, share: f64) -> bool {
+        let worst = (self.cost(rows, context) - self.cost(1, context)).max(0.0);
+        self.lost + worst <= EXPLORE_SHARE * self.spent + share * self.gained
     }
 
     /// Accepted over promised drafted tokens so far, over every block (1 before any evidence).
@@ -189,21 +235,45 @@ impl Chooser {
 
     /// What the step the last [`Chooser::choose`] decided committed (drafts accepted + the bonus token);
     /// sharpens [`Chooser::calibration`]. A step the loop did not verify as drafted teaches nothing.
+    /// A step no choice priced (the prefill) adds its seconds to the time so far.
     pub fn record(&mut self, step: &Step) {
-        if let Some((class, priced)) = self.last_priced.take() {
-            if !step.replaced && step.seconds > 0.0 && priced > 0.0 {
-                self.cost_ratio_sum[class] += (step.seconds / priced).clamp(0.25, 4.0);
-                self.cost_steps[class] += 1.0;
-            }
+        let Some((class, priced)) = self.last_priced.take() else {
+            self.spent += step.seconds;
+            return;
+        };
+        let measured = step.seconds > 0.0;
+        self.spent += if measured { step.seconds } else { priced };
+        if !step.replaced && measured && priced > 0.0 {
+            self.cost_ratio_sum[class] += (step.seconds / priced).clamp(0.25, 4.0);
+            self.cost_steps[class] += 1.0;
         }
         if let Some(p) = self.pending.take() {
             if !step.replaced {
                 let accepted = step.committed.len().saturating_sub(1) as f64;
-                self.promised += p.promised;
-                self.accepted += accepted;
-                self.class_promised[p.class] += p.promised;
-                self.class_accepted[p.class] += accepted;
-                self.saved += (1.0 + accepted) * p.plain_seconds - p.seconds;
+                if let Some(promised) = p.promised {
+                    self.promised += promised;
+                    self.accepted += accepted;
+                    self.class_promised[p.class] += promised;
+                    self.class_accepted[p.class] += accepted;
+                }
+                self.failed_in_a_row = if accepted > 0.0 {
+                    0
+                } else {
+                    self.failed_in_a_row + 1
+                };
+                // Priced, not timed: one step's time is noisy (plain steps vary by a tenth here) and a
+                // failed block timed fast must not count as a gain; the timings correct the prices
+                // through `cost_factor`.
+                let seconds = p.seconds;
+                let value = (1.0 + accepted) * p.plain_seconds - seconds;
+                if value >= 0.0 {
+                    self.gained += value;
+                } else {
+                    self.lost -= value;
+                }
+                if p.promised.is_none() {
+                    self.explored += (seconds - p.plain_seconds).max(0.0);
+                }
             }
         }
     }
@@ -232,58 +302,53 @@ impl Chooser {
         offer.tokens / (self.cost(offer.rows, context) + levels * self.curve.extra_logits_seconds)
     }
 
-    /// The best of `offers` after `context` cached tokens, or plain decoding when none beats it (ties
-    /// go to plain decoding, and to the smaller block); after [`EXPLORE_EVERY`] plain steps in a row (twice
-    /// as many after each exploration that changed nothing, up to [`EXPLORE_EVERY_MAX`]),
-    /// [`Choice::Explore`], when the exploration budget allows it (else the next plain step asks again).
-    /// With nothing on offer the step is plain and no exploration is owed.
+    /// The best of `offers` after `context` cached tokens that the loss budget affords, or plain decoding
+    /// when none beats it (ties go to plain decoding, and to the smaller block); after [`EXPLORE_EVERY`]
+    /// plain steps in a row (twice as many after each exploration that changed nothing, up to
+    /// [`EXPLORE_EVERY_MAX`]), [`Choice::Explore`], when the budget affords it (else the next plain step
+    /// asks again). With nothing on offer the step is plain and no exploration is owed.
     pub fn choose(&mut self, context: usize, offers: &[Offer]) -> Choice {
         self.pending = None;
-        let plain_seconds = self.curve.cost(1, context);
-        self.last_priced = Some((cost_class(1), plain_seconds));
+        self.last_priced = Some((cost_class(1), self.curve.cost(1, context)));
         if offers.is_empty() {
-            self.spent += plain_seconds;
             return Choice::Plain;
         }
+        let plain_seconds = self.cost(1, context);
         let mut best = (self.rate(Offer { rows: 1, tokens: 1.0 }, context), None);
         for (i, &o) in offers.iter().enumerate() {
             let r = self.rate(o, context);
-            if r > best.0 * (1.0 + 1e-9) {
+            if r > best.0 * (1.0 + 1e-9) && self.offer_allowed(o.rows, context) {
                 best = (r, Some(i));
             }
         }
-        match best.1 {
+        let (rows, promised) = match best.1 {
             Some(i) => {
                 self.plain_run = 0;
                 self.explore_after = EXPLORE_EVERY;
-                let seconds = self.curve.cost(offers[i].rows, context);
-                self.last_priced = Some((cost_class(offers[i].rows), seconds));
-                self.spent += seconds;
-                self.pending = Some(Pending {
-                    promised: (offers[i].tokens - 1.0).max(0.0),
-                    class: size_class(offers[i].rows),
-                    seconds,
-                    plain_seconds,
-                });
-                Choice::Offer(i)
+                (offers[i].rows, Some((offers[i].tokens - 1.0).max(0.0)))
             }
             None => {
                 self.plain_run += 1;
-                let extra = (self.curve.cost(self.explore_rows, context) - plain_seconds).max(0.0);
-                let budget =
-                    EXPLORE_SHARE * (self.spent + plain_seconds) + WIN_BACK_SHARE * self.saved.max(0.0);
-                if self.plain_run >= self.explore_after && self.explored + extra <= budget {
-                    self.plain_run = 0;
-                    self.explore_after = (2 * self.explore_after).min(EXPLORE_EVERY_MAX);
-                    self.explored += extra;
-                    self.spent += plain_seconds + extra;
-                    self.last_priced = Some((cost_class(self.explore_rows), plain_seconds + extra));
-                    Choice::Explore
-                } else {
-                    self.spent += plain_seconds;
-                    Choice::Plain
+                let explore = self.plain_run >= self.explore_after
+                    && self.within_budget(self.explore_rows, context, WIN_BACK_SHARE);
+                if !explore {
+                    return Choice::Plain;
                 }
+                self.plain_run = 0;
+                self.explore_after = (2 * self.explore_after).min(EXPLORE_EVERY_MAX);
+                (self.explore_rows, None)
             }
+        };
+        self.last_priced = Some((cost_class(rows), self.curve.cost(rows, context)));
+        self.pending = Some(Pending {
+            promised,
+            class: size_class(rows),
+            seconds: self.cost(rows, context),
+            plain_seconds,
+        });
+        match best.1 {
+            Some(i) => Choice::Offer(i),
+            None => Choice::Explore,
         }
     }
 }

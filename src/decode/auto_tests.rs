@@ -2,8 +2,28 @@
 
 use super::*;
 
+/// A chooser whose request has already taken a long time: the loss budget never binds, only the pricing
+/// decides.
 fn chooser(f: impl Fn(usize, usize) -> f64) -> Chooser {
+    fresh(f).with_time_spent(1e9)
+}
+
+/// A chooser at the start of a request.
+fn fresh(f: impl Fn(usize, usize) -> f64) -> Chooser {
     Chooser::new(Arc::new(CostCurve::from_fn(f, 0.0)))
+}
+
+/// A step that commits `committed` (drafts then the bonus token) with no measured time: the curve's
+/// price counts.
+fn step(committed: &'static [u32]) -> Step<'static> {
+    Step {
+        accepted: &[1, 2, 3, 4, 5, 6, 7, 8][..committed.len() - 1],
+        committed,
+        probe_logits: &[],
+        replaced: false,
+        seconds: 0.0,
+        remaining: 64,
+    }
 }
 
 fn chain(q: f64, n: usize) -> Vec<Offer> {
@@ -38,10 +58,14 @@ fn flat_cost_takes_the_largest_block_and_steep_cost_decodes_plainly() {
     assert_eq!(steep.choose(100, &[]), Choice::Plain);
 }
 
-/// Plain steps until `n` have been chosen; the indices of the explorations among them.
+/// `n` steps, each recorded as committing one token; the indices of the explorations among them.
 fn explorations(c: &mut Chooser, offers: &[Offer], n: usize) -> Vec<usize> {
     (0..n)
-        .filter(|_| c.choose(100, offers) == Choice::Explore)
+        .filter(|_| {
+            let explored = c.choose(100, offers) == Choice::Explore;
+            c.record(&step(&[1]));
+            explored
+        })
         .collect()
 }
 
@@ -50,7 +74,7 @@ fn exploring_stays_within_its_budget() {
     // Every row costs as much as the first: an exploring block of 2 rows costs a whole plain step
     // more, and a 64-step answer cannot afford one (1% of 64 steps is 0.64 of a step).
     let never_pays = [Offer { rows: 4, tokens: 1.3 }];
-    let mut c = chooser(|_, r| r as f64);
+    let mut c = fresh(|_, r| r as f64);
     assert_eq!(explorations(&mut c, &never_pays, 64), Vec::<usize>::new());
     // Over a long answer it explores, and never past the budget.
     let seen = explorations(&mut c, &never_pays, 2000);
@@ -58,10 +82,12 @@ fn exploring_stays_within_its_budget() {
     let (explored, spent) = c.exploration_cost();
     assert!(explored <= EXPLORE_SHARE * spent + 1e-9, "{explored} of {spent}");
     assert!(explored > 0.5 * EXPLORE_SHARE * spent, "{explored} of {spent}");
+    // What they lost is what they cost: nothing was accepted.
+    assert!((c.losses_and_gains().0 - explored).abs() < 1e-9);
     // A larger exploring block is priced as such: 4 rows cost 3 steps more, so it waits 3 times as
     // long for its first exploration.
     let first = |rows: usize| {
-        let mut c = chooser(|_, r| r as f64).exploring_with(rows);
+        let mut c = fresh(|_, r| r as f64).exploring_with(rows);
         explorations(&mut c, &never_pays, 1000)[0]
     };
     let (two, four) = (first(2), first(4));
@@ -71,34 +97,118 @@ fn exploring_stays_within_its_budget() {
 
 #[test]
 fn time_saved_pays_for_more_exploring() {
-    // Blocks of 2 rows cost 1.5 plain steps: the exploring block costs half a step more.
+    // Blocks of r rows cost 1 + (r - 1) / 2 plain steps; the exploring block is 4 rows, 1.5 steps more.
     let curve = |_: usize, r: usize| if r == 1 { 1.0 } else { 1.0 + 0.5 * (r as f64 - 1.0) };
-    let step = Step {
-        accepted: &[1],
-        committed: &[5, 6],
-        probe_logits: &[],
-        replaced: false,
-        seconds: 0.0,
-    };
     let pays = [Offer { rows: 2, tokens: 1.9 }];
     let never_pays = [Offer { rows: 2, tokens: 1.2 }];
-    let mut lucky = chooser(curve);
-    // Ten 2-row steps that commit 2 tokens each save half a step each: 5 steps saved.
+    // Both start after a prefill of 50 steps' time: 1% of it affords a first 2-row block.
+    let start = || fresh(curve).exploring_with(4).with_time_spent(50.0);
+    let mut lucky = start();
+    // Ten 2-row steps that commit 2 tokens each save half a step each: 5 steps gained.
     for _ in 0..10 {
         assert_eq!(lucky.choose(100, &pays), Choice::Offer(0));
-        lucky.record(&step);
+        lucky.record(&step(&[5, 6]));
     }
-    // A quarter of that pays for the first exploration as soon as 8 plain steps have passed;
-    // without the savings, 1% of 18 steps pays for none.
-    let mut unlucky = chooser(curve);
+    assert_eq!(lucky.losses_and_gains(), (0.0, 5.0));
+    // A quarter of that pays for the first exploration as soon as 8 plain steps have passed; without
+    // the gains, 1% of the 68 steps' time pays for none.
+    let mut unlucky = start();
     for _ in 0..10 {
         unlucky.choose(100, &[]);
+        unlucky.record(&step(&[5]));
     }
     assert_eq!(explorations(&mut lucky, &never_pays, 8), [7]);
     assert_eq!(explorations(&mut unlucky, &never_pays, 8), Vec::<usize>::new());
     // What only speculation would use is not paid for when nothing beats plain decoding.
     assert!(lucky.would_speculate(100, &pays));
     assert!(!lucky.would_speculate(100, &never_pays));
+}
+
+/// Blocks the drafter's model expects to pay are trusted to it for a few failures in a row, then sent
+/// only within 1% of the time so far plus what speculation gained: drafts that keep failing stop
+/// whatever the model says, and the loss stays about 1% of the time (and a few blocks).
+#[test]
+fn failing_drafts_stop_within_the_loss_budget() {
+    // 2 rows cost 1.1 plain steps; the model promises 0.3 drafted tokens a block (a rate of 1.18x), as a
+    // lookahead window's rows do: a small promise, which the calibration corrects slowly.
+    let curve = |_: usize, r: usize| 1.0 + 0.1 * (r as f64 - 1.0);
+    let offer = [Offer { rows: 2, tokens: 1.3 }];
+    // A fresh request sends its first blocks (nothing is lost yet) ...
+    let mut c = fresh(curve);
+    for i in 0..TRUSTED_FAILURES {
+        assert_eq!(c.choose(100, &offer), Choice::Offer(0), "block {i}");
+        c.record(&step(&[5]));
+    }
+    let (lost, gained) = c.losses_and_gains();
+    assert!(
+        (lost - 0.1 * TRUSTED_FAILURES as f64).abs() < 1e-9 && gained == 0.0,
+        "{lost} {gained}"
+    );
+    // ... and after that many failed, none until 1% of the time covers the loss and one more.
+    for i in 0..30 {
+        assert_ne!(c.choose(100, &offer), Choice::Offer(0), "step {i}");
+        c.record(&step(&[5]));
+    }
+    // Every block commits nothing: the loss stays within 1% of the time and the trusted blocks.
+    let trusted = 0.1 * TRUSTED_FAILURES as f64;
+    let mut c = fresh(curve).with_time_spent(100.0);
+    let mut sent = 0;
+    for _ in 0..1000 {
+        let choice = c.choose(100, &offer);
+        sent += usize::from(choice == Choice::Offer(0));
+        c.record(&step(&[5]));
+        let (lost, _) = c.losses_and_gains();
+        assert!(lost <= EXPLORE_SHARE * c.exploration_cost().1 + trusted + 1e-9);
+    }
+    let (lost, gained) = c.losses_and_gains();
+    let (_, spent) = c.exploration_cost();
+    assert_eq!(gained, 0.0);
+    assert!(
+        lost <= EXPLORE_SHARE * spent + trusted + 1e-9,
+        "lost {lost} of {spent}"
+    );
+    // The budget grows with the time: a few blocks more over the 1000 steps, never a run of them.
+    assert!((TRUSTED_FAILURES..=30).contains(&sent), "{sent} blocks sent");
+    // Drafts that pay keep being sent from the first one.
+    let mut c = fresh(curve);
+    for _ in 0..100 {
+        assert_eq!(c.choose(100, &offer), Choice::Offer(0));
+        c.record(&step(&[5, 6]));
+    }
+    assert!(c.losses_and_gains().1 > 70.0);
+    // A block that commits a draft ends a run of failures: the next ones are trusted again.
+    let mut c = fresh(curve);
+    for _ in 0..3 {
+        for _ in 0..TRUSTED_FAILURES - 1 {
+            assert_eq!(c.choose(100, &offer), Choice::Offer(0));
+            c.record(&step(&[5]));
+        }
+        assert_eq!(c.choose(100, &offer), Choice::Offer(0));
+        c.record(&step(&[5, 6]));
+    }
+}
+
+/// The prefill's seconds (a step no choice priced) count as time spent, so after a long prompt a run of
+/// failed blocks does not stop the next.
+#[test]
+fn the_prefill_counts_as_time_spent() {
+    let curve = |_: usize, r: usize| 1.0 + 0.1 * (r as f64 - 1.0);
+    let offer = [Offer { rows: 2, tokens: 1.3 }];
+    let after_prefill = |seconds: f64| {
+        let mut c = fresh(curve);
+        c.record(&Step {
+            seconds,
+            ..step(&[5])
+        });
+        assert_eq!(c.exploration_cost().1, seconds);
+        for _ in 0..TRUSTED_FAILURES {
+            assert_eq!(c.choose(100, &offer), Choice::Offer(0));
+            c.record(&step(&[5]));
+        }
+        c.choose(100, &offer)
+    };
+    assert_eq!(after_prefill(100.0), Choice::Offer(0));
+    assert_eq!(after_prefill(1.0), Choice::Plain);
 }
 
 #[test]
@@ -113,6 +223,7 @@ fn offers_that_overpromise_are_discounted() {
         probe_logits: &[],
         replaced: false,
         seconds: 0.0,
+        remaining: 64,
     };
     for _ in 0..20 {
         if let Choice::Offer(_) = c.choose(64, &chain(0.9, 8)) {
@@ -144,6 +255,7 @@ fn measured_step_times_correct_a_curve_that_prices_blocks_too_cheap() {
         probe_logits: &[],
         replaced: false,
         seconds,
+        remaining: 64,
     };
     let mut c = chooser(|_, _| 1.0);
     let mut blocks = 0;
@@ -182,6 +294,7 @@ fn each_block_size_is_calibrated_on_its_own() {
         probe_logits: &[],
         replaced: false,
         seconds: 0.0,
+        remaining: 64,
     };
     // Large blocks promise 4 drafted tokens and commit 1; small ones promise 1 and commit 1.
     let large = [Offer { rows: 8, tokens: 5.0 }];

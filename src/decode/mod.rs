@@ -17,7 +17,9 @@ pub mod kind;
 pub mod layout;
 pub mod method;
 pub mod sampling;
+pub mod sequence;
 pub mod stats;
+pub mod step;
 pub mod tree;
 
 /// Largest value a drafter's size flag takes (`--ngram`, `--draft-len`, `--lookahead-window`,

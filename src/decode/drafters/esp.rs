@@ -439,7 +439,9 @@ mod tests {
     use std::sync::Arc;
 
     fn choice(curve: CostCurve, ranks: &RankHistogram) -> Choice {
-        Chooser::new(Arc::new(curve)).choose(100, &ranks.offers(1, 1000))
+        Chooser::new(Arc::new(curve))
+            .with_time_spent(1e9)
+            .choose(100, &ranks.offers(1, 1000))
     }
 
     #[test]

@@ -66,6 +66,9 @@ pub const DEFAULT_WINDOW: usize = 7;
 /// Prior of a window row's worth, in tokens accepted later per row fed, and its weight in rows.
 const WINDOW_PRIOR: f64 = 0.05;
 const WINDOW_PRIOR_ROWS: f64 = 16.0;
+/// The tokens, in n-gram lengths, within which a window row's n-grams are used if at all: a row's worth
+/// (measured over the answer so far) shrinks when less of the answer than this is left.
+const WINDOW_HORIZON_NGRAMS: usize = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LookaheadConfig {
@@ -130,6 +133,8 @@ struct LookaheadAuto {
     window_worth: Vec<Rate>,
     /// The last tree sent, to learn from its verification.
     last: Option<Verification>,
+    /// Tokens the answer may still take ([`Step::remaining`] of the last step).
+    remaining: usize,
 }
 
 impl LookaheadAuto {
@@ -145,6 +150,7 @@ impl LookaheadAuto {
                 AUTO_WINDOWS.len() - 1
             ],
             last: None,
+            remaining: usize::MAX,
         }
     }
 
@@ -158,9 +164,9 @@ impl LookaheadAuto {
 
     /// The prefill's window: the one a step would rent at the prior's worth per row (none where rows
     /// cost what they bring, as on a CPU, where seven rows are a few percent of a short prefill).
-    fn prefill_window(&self, context: usize) -> usize {
+    fn prefill_window(&self, context: usize, ngram: usize) -> usize {
         let rate = |w: usize| {
-            let tokens = 1.0 + self.window_tokens(w);
+            let tokens = 1.0 + self.window_tokens(w, ngram);
             self.chooser.rate(Offer { rows: 1 + w, tokens }, context)
         };
         let best = AUTO_WINDOWS
@@ -169,13 +175,22 @@ impl LookaheadAuto {
         best.filter(|&w| rate(w) > rate(0) * (1.0 + 1e-9)).unwrap_or(0)
     }
 
-    /// Expected tokens a window of `w` rows brings.
-    fn window_tokens(&self, w: usize) -> f64 {
-        (1..=w).map(|j| self.window_worth[window_bucket(j)].get()).sum()
+    /// Expected tokens a window of `w` rows brings within the answer that is left: its n-grams (of
+    /// `ngram` tokens) can be used only after they are made, and pay over about
+    /// [`WINDOW_HORIZON_NGRAMS`] n-gram lengths.
+    fn window_tokens(&self, w: usize, ngram: usize) -> f64 {
+        let left = self.remaining.saturating_sub(ngram) as f64;
+        let horizon = (WINDOW_HORIZON_NGRAMS * ngram) as f64;
+        let share = (left / horizon).min(1.0);
+        share
+            * (1..=w)
+                .map(|j| self.window_worth[window_bucket(j)].get())
+                .sum::<f64>()
     }
 
     /// Learns from the verified step: node acceptance, and the window rows' worth.
     fn learn(&mut self, step: &Step, window: usize) {
+        self.remaining = step.remaining;
         if step.replaced {
             self.last = None;
             return;
@@ -322,7 +337,7 @@ impl Lookahead {
         // Every (window, nodes) pair that fits, but (0, 0): plain decoding.
         let (mut offers, mut shapes) = (Vec::new(), Vec::new());
         for w in AUTO_WINDOWS.into_iter().filter(|&w| w <= room) {
-            let worth = auto.window_tokens(w);
+            let worth = auto.window_tokens(w, self.cfg.ngram);
             if w > 0 {
                 offers.push(Offer {
                     rows: 1 + w,
@@ -398,7 +413,7 @@ impl Drafter for Lookahead {
             )),
         };
         // The prefill's root is the last prompt token.
-        let window = |a: &LookaheadAuto| a.prefill_window(prompt.len());
+        let window = |a: &LookaheadAuto| a.prefill_window(prompt.len(), self.cfg.ngram);
         let w = self
             .cfg
             .window

@@ -224,7 +224,7 @@ mod tests {
         use crate::decode::cost_curve::CostCurve;
         use std::sync::Arc;
         let auto = |f: fn(usize, usize) -> f64| PldAuto {
-            chooser: Chooser::new(Arc::new(CostCurve::from_fn(f, 0.0))),
+            chooser: Chooser::new(Arc::new(CostCurve::from_fn(f, 0.0))).with_time_spent(1e9),
             rates: HashMap::new(),
             last: None,
         };
@@ -243,6 +243,7 @@ mod tests {
             probe_logits: &[],
             replaced: false,
             seconds: 0.0,
+            remaining: 64,
         };
         flat.learn(&step);
         assert_eq!(flat.rates[&(3, 1)].accepted, 2.0);
