@@ -6,6 +6,9 @@
 //! (`--shape llama3-8b`: the cost depends on shapes, not values), on any device and dtype, and prints
 //! the median of `--repeats` runs per point and the ratio to one row.
 //!
+//! `--sequences` makes each row a sequence of its own, after its own cache: what decoding that many
+//! sequences in one forward pass costs, against one.
+//!
 //! `--save` times the curve `--bc auto` prices blocks with (its own grid) and writes it to the cost cache,
 //! replacing what was there.
 
@@ -25,6 +28,8 @@ pub struct CostOptions {
     pub shape: Option<String>,
     /// Block sizes (rows per forward pass).
     pub rows: Vec<usize>,
+    /// Each row its own sequence after its own cache: the cost of decoding that many sequences together.
+    pub sequences: bool,
     /// Cached tokens before the block.
     pub cache: Vec<usize>,
     /// Timed runs per point (the median is reported).
@@ -93,7 +98,7 @@ pub fn run(a: &CostOptions) -> Result<()> {
         .as_deref()
         .map(super::cost_chart::peer_curves)
         .transpose()?;
-    let points = cost_curve(&model, &a.cache, &a.rows, a.repeats)?;
+    let points = cost_curve(&model, &a.cache, &a.rows, a.repeats, a.sequences)?;
     if let Some(svg) = &a.svg {
         let mut curves =
             super::cost_chart::curves_of(points.iter().map(|p| (p.cache, p.rows, p.ratio)), "probespec");
@@ -113,11 +118,16 @@ pub fn run(a: &CostOptions) -> Result<()> {
     let mut text = String::new();
     if a.json {
         let v = serde_json::json!({ "model": name, "device": device, "dtype": dtype, "threads": threads,
-                                    "repeats": a.repeats, "points": points });
+                                    "repeats": a.repeats, "sequences": a.sequences, "points": points });
         text.push_str(&format!("{v}\n"));
     } else {
+        let each = if a.sequences {
+            ", each row a sequence of its own"
+        } else {
+            ""
+        };
         text.push_str(&format!(
-            "{name} on {device}, {dtype}, {threads} threads, median of {} runs\n",
+            "{name} on {device}, {dtype}, {threads} threads, median of {} runs{each}\n",
             a.repeats
         ));
         text.push_str(&format!(
@@ -174,14 +184,16 @@ fn save(a: &CostOptions) -> Result<()> {
 }
 
 /// Times a decoding step of each block size after each cache size (rows interleaved within a repeat,
-/// so that drifts of the machine spread over all sizes).
+/// so that drifts of the machine spread over all sizes); with `sequences`, each row a sequence of its
+/// own.
 pub fn cost_curve(
     model: &Transformer,
     caches: &[usize],
     rows: &[usize],
     repeats: usize,
+    sequences: bool,
 ) -> Result<Vec<CostPoint>> {
-    let samples = time_grid(model, caches, rows, repeats)?;
+    let samples = time_grid(model, caches, rows, repeats, sequences)?;
     let mut points = Vec::new();
     for (&ctx, mut times) in caches.iter().zip(samples) {
         let medians: Vec<f64> = times.iter_mut().map(|t| median(t)).collect();

@@ -145,6 +145,10 @@ pub struct CostArgs {
     /// Block sizes (rows per forward pass).
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32,64")]
     pub rows: Vec<usize>,
+    /// Each row a sequence of its own, after its own cache of --cache tokens: what decoding that many
+    /// sequences in one forward pass costs over one.
+    #[arg(long)]
+    pub sequences: bool,
     /// Cached tokens before the block.
     #[arg(long, value_delimiter = ',', default_value = "256,1024")]
     pub cache: Vec<usize>,
@@ -156,7 +160,7 @@ pub struct CostArgs {
     pub json: bool,
     /// Time the curve --bc auto uses (its own grid of cache lengths and rows) and save it in the cost
     /// cache (`$PROBESPEC_COST_DIR`, else `cost/` in the model folder), replacing what was there.
-    #[arg(long, conflicts_with_all = ["shape", "rows", "cache", "repeats"])]
+    #[arg(long, conflicts_with_all = ["shape", "rows", "cache", "repeats", "sequences"])]
     pub save: bool,
     /// Also draw the curve (a block's cost over one row's, a line per cache length) as an SVG chart.
     #[arg(long, value_name = "FILE", conflicts_with = "save")]
@@ -173,6 +177,7 @@ impl CostArgs {
             model: self.model.options(),
             shape: self.shape.clone(),
             rows: self.rows.clone(),
+            sequences: self.sequences,
             cache: self.cache.clone(),
             repeats: self.repeats,
             json: self.json,

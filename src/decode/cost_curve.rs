@@ -6,7 +6,7 @@
 //! between the timed ones (attention grows with the cache, so a block's price relative to one row moves as
 //! the answer grows).
 
-use crate::model::{BlockMask, KvCache, Transformer};
+use crate::model::{BlockMask, KvCache, SequenceBlock, Transformer};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
@@ -320,12 +320,14 @@ pub fn fill_untimed(contexts: &[usize], rows: &[usize], timed: &[Vec<Option<f64>
 /// Times decoding steps of each block size after each cache length: `samples[c][r]` holds `repeats`
 /// timings (after one warm-up run of every size; sizes interleaved within a repeat, so that a drift of the
 /// machine spreads over all of them). Token ids are an arbitrary fixed sequence: the cost depends on the
-/// shapes, not the values.
+/// shapes, not the values. With `sequences`, a block of R rows is R sequences of one row each, every one
+/// after its own cache ([`time_batch_step`]): a batched server's plain decoding step.
 pub fn time_grid(
     model: &Transformer,
     contexts: &[usize],
     rows: &[usize],
     repeats: usize,
+    sequences: bool,
 ) -> Result<Vec<Vec<Vec<f64>>>> {
     let max_rows = rows.iter().copied().max().unwrap_or(1);
     let max_ctx = contexts.iter().copied().max().unwrap_or(1);
@@ -336,17 +338,26 @@ pub fn time_grid(
     let mut sorted: Vec<(usize, usize)> = contexts.iter().copied().enumerate().collect();
     sorted.sort_by_key(|&(_, c)| c);
     let mut out = vec![Vec::new(); contexts.len()];
-    // One cache grown from one length to the next.
-    let mut cache = model.new_cache(max_ctx + max_rows)?;
+    // Caches grown from one length to the next: one, or one per sequence.
+    let caches = if sequences { max_rows } else { 1 };
+    let mut caches: Vec<KvCache> = (0..caches)
+        .map(|_| model.new_cache(max_ctx + max_rows))
+        .collect::<Result<_>>()?;
     for (slot, ctx) in sorted {
-        fill(model, ctx, &mut cache)?;
+        for cache in caches.iter_mut() {
+            fill(model, ctx, cache)?;
+        }
+        let mut time = |r: usize| match sequences {
+            false => time_step(model, &ids[ctx..ctx + r], &mut caches[0]),
+            true => time_batch_step(model, &ids[ctx..ctx + r], &mut caches[..r]),
+        };
         for &r in rows {
-            time_step(model, &ids[ctx..ctx + r], &mut cache)?;
+            time(r)?;
         }
         let mut times: Vec<Vec<f64>> = vec![Vec::with_capacity(repeats); rows.len()];
         for _ in 0..repeats {
             for (i, &r) in rows.iter().enumerate() {
-                times[i].push(time_step(model, &ids[ctx..ctx + r], &mut cache)?);
+                times[i].push(time(r)?);
             }
         }
         out[slot] = times;
@@ -401,6 +412,37 @@ pub fn time_step(model: &Transformer, block: &[u32], cache: &mut KvCache) -> Res
     model.logits(&h, &first)?.to_vec2::<f32>()?;
     let dt = t.elapsed().as_secs_f64();
     cache.truncate(ctx);
+    Ok(dt)
+}
+
+/// Seconds of a batched plain decoding step: token `ids[i]` as the next row of the sequence cached in
+/// `caches[i]`, all in one forward pass, then every row's vocabulary projection (each sequence needs its
+/// next token) read back to the host; the caches are rolled back afterwards.
+pub fn time_batch_step(model: &Transformer, ids: &[u32], caches: &mut [KvCache]) -> Result<f64> {
+    let xs: Vec<Tensor> = ids.iter().map(|&id| model.embed(&[id])).collect::<Result<_>>()?;
+    let positions: Vec<[u32; 1]> = caches.iter().map(|c| [c.len() as u32]).collect();
+    let lens: Vec<usize> = caches.iter().map(KvCache::len).collect();
+    let mut blocks: Vec<SequenceBlock> = xs
+        .iter()
+        .zip(&positions)
+        .zip(caches.iter_mut())
+        .map(|((x, positions), cache)| SequenceBlock {
+            x,
+            positions,
+            mask: &BlockMask::Causal,
+            cache,
+        })
+        .collect();
+    model.device.synchronize()?;
+    let t = Instant::now();
+    let hidden = model.forward_batch(&mut blocks)?;
+    let h = Tensor::cat(&hidden, 0)?;
+    let all: Vec<usize> = (0..ids.len()).collect();
+    model.logits(&h, &all)?.to_vec2::<f32>()?;
+    let dt = t.elapsed().as_secs_f64();
+    for (cache, len) in caches.iter_mut().zip(lens) {
+        cache.truncate(len);
+    }
     Ok(dt)
 }
 

@@ -9,7 +9,7 @@
 //! next product. Here a layer reads and writes buffers kept from step to step; only attention's values
 //! (the cache's tensor) and the block's input and output stay tensors.
 
-use super::{BlockMask, KvCache, Layer, Linear, Transformer};
+use super::{BlockMask, Layer, Linear, SequenceBlock, Transformer};
 use crate::kernels::elementwise::{add_in_place, rope_in_place, swiglu_slices_with};
 use crate::kernels::q8::matmul_q8_many;
 use crate::kernels::{attention::attention_rows, Visibility, Width};
@@ -34,8 +34,10 @@ struct Buffers {
     /// The block's RoPE rows `[rows, head_dim / 2]`.
     cos: Vec<f32>,
     sin: Vec<f32>,
-    /// The additive mask `[rows, cached + rows]`, when there is one.
+    /// The blocks' additive masks (`[rows, cached + rows]` each), one after another.
     mask: Vec<f32>,
+    /// Attention's output `[rows, heads * head_dim]`.
+    attn: Vec<f32>,
 }
 
 /// The most values a buffer keeps for the next block (one-row steps after a prompt of thousands).
@@ -75,30 +77,29 @@ impl Transformer {
             })
     }
 
-    /// The layers of [`Transformer::forward`] on flat buffers ([`Transformer::flat_layers`]): `x` the
-    /// block's input `[rows, hidden]`, positions already checked; returns the last layer's output.
-    pub(super) fn forward_flat(
-        &self,
-        x: &Tensor,
-        positions: &[u32],
-        mask: &BlockMask,
-        cache: &mut KvCache,
-    ) -> Result<Tensor> {
-        let rows = positions.len();
+    /// The layers of [`Transformer::forward_batch`] on flat buffers ([`Transformer::flat_layers`]): the
+    /// blocks' rows one after another, positions and room already checked; returns the last layer's
+    /// output for all of them, `[rows, hidden]`.
+    pub(super) fn forward_flat(&self, blocks: &mut [SequenceBlock<'_>]) -> Result<Tensor> {
+        let rows: usize = blocks.iter().map(|s| s.positions.len()).sum();
         let hidden = self.config.hidden_size;
         BUFFERS.with_borrow_mut(|b| {
             b.x.clear();
-            crate::kernels::with_f32(&x.to_dtype(DType::F32)?, |xs| b.x.extend_from_slice(xs))?;
+            b.mask.clear();
+            b.cos.clear();
+            b.sin.clear();
+            for s in blocks.iter() {
+                crate::kernels::with_f32(&s.x.to_dtype(DType::F32)?, |xs| b.x.extend_from_slice(xs))?;
+                self.rope_rows_into(s.positions, &mut b.cos, &mut b.sin)?;
+                if let BlockMask::Additive(m) = s.mask {
+                    crate::kernels::with_f32(&m.to_dtype(DType::F32)?, |m| b.mask.extend_from_slice(m))?;
+                }
+            }
             if b.x.len() != rows * hidden {
                 bail!("a block of {} values for {rows} rows of {hidden}", b.x.len());
             }
-            self.rope_rows_into(positions, &mut b.cos, &mut b.sin)?;
-            b.mask.clear();
-            if let BlockMask::Additive(m) = mask {
-                crate::kernels::with_f32(&m.to_dtype(DType::F32)?, |m| b.mask.extend_from_slice(m))?;
-            }
             for (i, layer) in self.layers.iter().enumerate() {
-                self.layer_flat(layer, i, b, mask, cache)?;
+                self.layer_flat(layer, i, b, blocks)?;
             }
             let out = Tensor::from_slice(&b.x, (rows, hidden), &Device::Cpu)?;
             if b.x.capacity() > KEEP_VALUES {
@@ -108,11 +109,10 @@ impl Transformer {
         })
     }
 
-    /// The rows of the RoPE tables at `positions`.
+    /// The rows of the RoPE tables at `positions`, appended to `cos` and `sin`.
     fn rope_rows_into(&self, positions: &[u32], cos: &mut Vec<f32>, sin: &mut Vec<f32>) -> Result<()> {
         let half = self.config.head_dim / 2;
         for (table, out) in [(&self.cos, cos), (&self.sin, sin)] {
-            out.clear();
             crate::kernels::with_f32(table, |t| {
                 for &p in positions {
                     out.extend_from_slice(&t[p as usize * half..][..half]);
@@ -128,8 +128,7 @@ impl Transformer {
         l: &Layer,
         layer_idx: usize,
         b: &mut Buffers,
-        mask: &BlockMask,
-        cache: &mut KvCache,
+        blocks: &mut [SequenceBlock<'_>],
     ) -> Result<()> {
         let c = &self.config;
         let hd = c.head_dim;
@@ -151,16 +150,39 @@ impl Transformer {
         }
         rope_in_place(&mut b.q, c.num_heads * hd, hd, &b.cos, &b.sin);
         rope_in_place(&mut b.k, c.num_kv_heads * hd, hd, &b.cos, &b.sin);
-        let values = cache.write_rows(layer_idx, &b.k, &b.v)?;
-        let mut written = None;
-        let keys = super::written_keys(cache.keys(layer_idx), values.dim(1)?, &mut written)?;
-        let vis = match mask {
-            BlockMask::Causal => Visibility::Causal { offset: cache.len() },
-            BlockMask::Additive(_) => Visibility::Additive(&b.mask),
-        };
+        // The products ran over every sequence's rows; each block writes its own cache and attends to
+        // it under its own mask.
+        let (q_width, kv_width) = (c.num_heads * hd, c.num_kv_heads * hd);
         let scale = 1.0 / (hd as f32).sqrt();
-        let attn = attention_rows(Width::best(), &b.q, c.num_heads, keys, &values, vis, scale)?;
-        products(&attn, [&l.o_proj], [&mut b.y]);
+        b.attn.clear();
+        let single = blocks.len() == 1;
+        let (mut row, mut mask_at) = (0, 0);
+        for s in blocks.iter_mut() {
+            let n = s.positions.len();
+            let kv = row * kv_width..(row + n) * kv_width;
+            let values = s.cache.write_rows(layer_idx, &b.k[kv.clone()], &b.v[kv])?;
+            let mut written = None;
+            let keys = super::written_keys(s.cache.keys(layer_idx), values.dim(1)?, &mut written)?;
+            let vis = match s.mask {
+                BlockMask::Causal => Visibility::Causal {
+                    offset: s.cache.len(),
+                },
+                BlockMask::Additive(_) => {
+                    let len = n * (s.cache.len() + n);
+                    mask_at += len;
+                    Visibility::Additive(&b.mask[mask_at - len..mask_at])
+                }
+            };
+            let q = &b.q[row * q_width..(row + n) * q_width];
+            let attn = attention_rows(Width::best(), q, c.num_heads, keys, &values, vis, scale)?;
+            if single {
+                b.attn = attn;
+            } else {
+                b.attn.extend_from_slice(&attn);
+            }
+            row += n;
+        }
+        products(&b.attn, [&l.o_proj], [&mut b.y]);
         add_in_place(&mut b.x, &b.y);
         l.up_proj.prefetch_hint(super::HINT_BYTES);
         norm(&l.mlp_norm, &b.x, &mut b.h);
@@ -196,39 +218,9 @@ fn products<const N: usize>(x: &[f32], linears: [&Linear; N], mut ys: [&mut Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::{PackedFormat, PackedMatrix};
-    use crate::model::synthetic::{model_of, shape_config};
-    use crate::model::{causal_mask, RmsNorm, Weight};
-    use candle_core::quantized::{GgmlDType, QTensor};
-    use std::sync::Arc;
-
-    /// A small model of `shape`'s kind (Qwen 3's per-head norms, or LLaMA's plain heads) with random
-    /// packed weights in `format` (the output projection too) and random norm weights: what the flat
-    /// layers run.
-    fn packed_model(shape: &str, format: GgmlDType) -> Result<Transformer> {
-        let mut c = shape_config(shape)?;
-        (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (256, 512, 3, 32);
-        (
-            c.num_heads,
-            c.num_kv_heads,
-            c.vocab_size,
-            c.max_position_embeddings,
-        ) = (8, 2, 300, 128);
-        c.tie_word_embeddings = false;
-        let (dev, eps) = (Device::Cpu, c.rms_norm_eps);
-        model_of(
-            c,
-            |rows, cols| {
-                let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev)?;
-                let q = QTensor::quantize(&w, format)?;
-                let f = PackedFormat::of_ggml(format).expect("a packed format");
-                let p = PackedMatrix::from_gguf(f, rows, cols, &q.data()?, None)?;
-                Ok(Linear::new(Weight::Packed(Arc::new(p)), None))
-            },
-            |n| Ok(RmsNorm::new(Tensor::rand(0.5f32, 1.5, n, &dev)?, eps)),
-            |rows, cols| Ok(Tensor::randn(0f32, 1.0, (rows, cols), &dev)?),
-        )
-    }
+    use crate::model::causal_mask;
+    use crate::model::synthetic::packed_model;
+    use candle_core::quantized::GgmlDType;
 
     fn bits(t: &Tensor) -> Vec<u32> {
         t.flatten_all()

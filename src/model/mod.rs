@@ -5,6 +5,7 @@
 //! attention mask over [cache + block], raw embedding vectors as inputs (ESP's mask tokens are vectors),
 //! and computes logits only for the rows a caller reads. LLaMA and Qwen 3 are one model with switches.
 
+mod batch;
 pub mod checkpoint;
 pub mod config;
 mod flat;
@@ -17,6 +18,7 @@ mod safetensors;
 pub mod shape_gguf;
 pub mod synthetic;
 
+pub use batch::SequenceBlock;
 pub use config::{Arch, ModelConfig};
 pub use kv_cache::KvCache;
 pub use linear::{Linear, Weight};
@@ -290,7 +292,8 @@ impl Transformer {
     }
 
     /// Runs a block of `x.dim(0)` rows (`x`: `[rows, hidden]` input embeddings) at `positions`, appending
-    /// the block's keys and values to `cache`. Returns final-norm hidden states `[rows, hidden]`.
+    /// the block's keys and values to `cache`. Returns final-norm hidden states `[rows, hidden]`. One
+    /// sequence's [`Transformer::forward_batch`].
     pub fn forward(
         &self,
         x: &Tensor,
@@ -298,31 +301,18 @@ impl Transformer {
         mask: &BlockMask,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let rows = x.dim(0)?;
-        if positions.len() != rows {
-            bail!("{} positions for {} rows", positions.len(), rows);
-        }
-        if let Some(&p) = positions.iter().max() {
-            if p as usize >= self.config.max_position_embeddings {
-                bail!(
-                    "position {p} is beyond the model's context window of {}",
-                    self.config.max_position_embeddings
-                );
-            }
-        }
-        cache.ensure_room(rows)?;
-        let x = if self.flat_layers() {
-            self.forward_flat(x, positions, mask, cache)?
-        } else {
-            self.forward_tensors(x, positions, mask, cache)?
-        };
-        cache.advance(rows);
-        self.lm_head.prefetch_hint(HINT_BYTES);
-        self.norm.forward(&x, self.cpu_kernels())
+        let mut block = [SequenceBlock {
+            x,
+            positions,
+            mask,
+            cache,
+        }];
+        let mut hidden = self.forward_batch(&mut block)?;
+        Ok(hidden.pop().expect("one block, one output"))
     }
 
-    /// The layers one candle tensor per step: every op and device. (`forward` checked the positions
-    /// and the cache's room.)
+    /// The layers one candle tensor per step: every op and device. (`forward_batch` checked the
+    /// positions and the cache's room.)
     fn forward_tensors(
         &self,
         x: &Tensor,

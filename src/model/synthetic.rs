@@ -141,6 +141,37 @@ pub(crate) fn model_of(
     Transformer::new(config, embed.into(), layers, final_norm, lm_head, None)
 }
 
+/// A small model of `shape`'s kind (Qwen 3's per-head norms, or LLaMA's plain heads) with random packed
+/// weights in `format` (the output projection too) and random norm weights: what the flat layers run.
+#[cfg(test)]
+pub(crate) fn packed_model(shape: &str, format: candle_core::quantized::GgmlDType) -> Result<Transformer> {
+    use crate::kernels::{PackedFormat, PackedMatrix};
+    use candle_core::quantized::QTensor;
+    use std::sync::Arc;
+    let mut c = shape_config(shape)?;
+    (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (256, 512, 3, 32);
+    (
+        c.num_heads,
+        c.num_kv_heads,
+        c.vocab_size,
+        c.max_position_embeddings,
+    ) = (8, 2, 300, 128);
+    c.tie_word_embeddings = false;
+    let (dev, eps) = (Device::Cpu, c.rms_norm_eps);
+    model_of(
+        c,
+        |rows, cols| {
+            let w = Tensor::randn(0f32, 0.05, (rows, cols), &dev)?;
+            let q = QTensor::quantize(&w, format)?;
+            let f = PackedFormat::of_ggml(format).expect("a packed format");
+            let p = PackedMatrix::from_gguf(f, rows, cols, &q.data()?, None)?;
+            Ok(Linear::new(Weight::Packed(Arc::new(p)), None))
+        },
+        |n| Ok(RmsNorm::new(Tensor::rand(0.5f32, 1.5, n, &dev)?, eps)),
+        |rows, cols| Ok(Tensor::randn(0f32, 1.0, (rows, cols), &dev)?),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
