@@ -2,7 +2,7 @@
 """A bounded load run against an OpenAI-compatible server (probespec serve, llama-server, ...).
 
 N concurrent clients each send R streamed chat requests (greedy, max_tokens M) on loopback; reports
-requests/s, p50/p99 latency and time to first token, and checks every answer: against the one-shot
+requests/s, completion tokens/s (from the servers' usage), p50/p99 latency and time to first token, and checks every answer: against the one-shot
 CLI's (--cli: `probespec --json` on the same prompt) or against a saved run of the same server
 (--check FILE, written by --save FILE). Standard library only.
 
@@ -62,6 +62,7 @@ def one_request(url, prompt, max_tokens, extra):
         "max_tokens": max_tokens,
         "temperature": 0,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     body.update(extra)
     req = urllib.request.Request(
@@ -72,6 +73,7 @@ def one_request(url, prompt, max_tokens, extra):
     t0 = time.perf_counter()
     ttft = None
     text = []
+    tokens = None
     with urllib.request.urlopen(req, timeout=600) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -83,13 +85,15 @@ def one_request(url, prompt, max_tokens, extra):
             chunk = json.loads(data)
             if "error" in chunk:
                 raise RuntimeError(chunk["error"])
+            if chunk.get("usage"):
+                tokens = chunk["usage"].get("completion_tokens", tokens)
             for c in chunk.get("choices", []):
                 piece = (c.get("delta") or {}).get("content")
                 if piece:
                     if ttft is None:
                         ttft = time.perf_counter() - t0
                     text.append(piece)
-    return "".join(text), ttft, time.perf_counter() - t0
+    return "".join(text), ttft, time.perf_counter() - t0, tokens
 
 
 def cli_answers(cli, prompts, max_tokens, cli_args):
@@ -130,9 +134,9 @@ def main():
         for j in range(a.requests):
             prompt = PROMPTS[(i * a.requests + j) % len(PROMPTS)]
             try:
-                text, ttft, latency = one_request(a.url, prompt, a.max_tokens, extra)
+                text, ttft, latency, tokens = one_request(a.url, prompt, a.max_tokens, extra)
                 with lock:
-                    results.append((prompt, text, ttft, latency))
+                    results.append((prompt, text, ttft, latency, tokens))
             except Exception as e:  # noqa: BLE001 - every failure is reported
                 with lock:
                     errors.append(f"{prompt!r}: {e}")
@@ -153,7 +157,7 @@ def main():
             reference = json.load(f)
     answers = {}
     mismatches = 0
-    for prompt, text, _, _ in results:
+    for prompt, text, *_ in results:
         if answers.setdefault(prompt, text) != text:
             mismatches += 1  # the same prompt answered two ways within the run
         if reference is not None and reference.get(prompt) != text:
@@ -164,6 +168,8 @@ def main():
 
     latencies = [r[3] for r in results]
     ttfts = [r[2] for r in results if r[2] is not None]
+    counted = [r[4] for r in results if r[4] is not None]
+    tokens = sum(counted) if len(counted) == len(results) else None
     summary = {
         "label": a.label,
         "clients": a.clients,
@@ -172,6 +178,8 @@ def main():
         "max_tokens": a.max_tokens,
         "wall_s": round(wall, 2),
         "requests_per_s": round(len(results) / wall, 2),
+        # Every answer's completion tokens (the servers' usage), over the run's wall time.
+        "tokens_per_s": round(tokens / wall, 2) if tokens is not None else None,
         "latency_p50_s": round(percentile(latencies, 0.5), 3),
         "latency_p99_s": round(percentile(latencies, 0.99), 3),
         "ttft_p50_s": round(percentile(ttfts, 0.5), 3),

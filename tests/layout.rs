@@ -49,14 +49,20 @@ fn circles_arrows_back_up_and_long_files_are_refused() {
         std::fs::write(path, text).unwrap();
     };
     write("lib.rs", "pub mod model;\npub mod decode;\n");
-    write("model/mod.rs", "pub mod gguf;\npub mod load;\nuse crate::decode::x;\n");
+    write(
+        "model/mod.rs",
+        "pub mod gguf;\npub mod load;\nuse crate::decode::x;\n",
+    );
     write("model/gguf.rs", "use super::load::Options;\n");
     write("model/load.rs", "use super::gguf::read;\n");
     write("decode/mod.rs", &"// line\n".repeat(601));
     let out = module_graph(&["--check", "--src", src.path().to_str().unwrap()]);
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(said.contains("circle among the children of model: gguf -> load -> gguf"), "{said}");
+    assert!(
+        said.contains("circle among the children of model: gguf -> load -> gguf"),
+        "{said}"
+    );
     assert!(said.contains("arrow back up: model -> decode"), "{said}");
     assert!(said.contains("src/decode/mod.rs: 601 lines"), "{said}");
 }

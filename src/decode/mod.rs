@@ -8,6 +8,7 @@
 //! configuration types reachable as `decode::method::*`.
 
 pub mod auto;
+pub mod batch;
 pub mod budget;
 pub mod cost_cache;
 pub mod cost_curve;

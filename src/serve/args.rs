@@ -21,9 +21,13 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on /v1/ (default: $PROBESPEC_API_KEY when set).
     #[arg(long)]
     pub api_key: Option<String>,
-    /// Requests that may wait while one decodes; one more is answered 503 with Retry-After.
+    /// Requests that may wait while others decode; one more is answered 503 with Retry-After.
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
+    /// Requests decoded together, each step one forward pass over all of them (every answer the same as
+    /// alone); 1 decodes one at a time, reusing the previous request's cached prompt.
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -83,8 +87,8 @@ pub enum ReasoningFormat {
 impl ServeArgs {
     /// The sampling defaults, checked as one-shot generation checks its flags, and the queue's size.
     pub fn sampling(&self) -> Result<SamplingParams> {
-        if self.queue == 0 {
-            bail!("--queue must be at least 1");
+        if self.queue == 0 || self.parallel == 0 {
+            bail!("--queue and --parallel must be at least 1");
         }
         if self.max_connections == 0 {
             bail!("--max-connections must be at least 1");

@@ -52,7 +52,7 @@ pub fn run(a: &ServeArgs) -> Result<()> {
     let api_key = a.api_key()?;
     let session = Arc::new(Session::load(&a.model.options())?);
     let (queue, jobs) = queue::Queue::new(a.queue);
-    worker::start(session.clone(), jobs, queue.counters.clone())?;
+    worker::start(session.clone(), jobs, queue.counters.clone(), a.parallel)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -1,29 +1,43 @@
-//! The decoding thread: owns the KV cache, takes one job at a time from the queue and runs it through the
-//! library's generate loop (the one-shot path), reusing the cache of the previous prompt and answer.
+//! The decoding thread. With `--parallel 1` it owns one KV cache, takes one job at a time from the queue
+//! and runs it through the library's generate loop (the one-shot path), reusing the cache of the previous
+//! prompt and answer. With `--parallel N` it steps up to N jobs as one [`Batch`]: jobs join between steps
+//! and leave when done, each with its own cache, and every answer is still the one-shot path's.
 //! Committed tokens become text (streaming detokenisation, stop strings) and go to the job's handler; a
-//! handler that is gone (the client left) halts the generation at its next token.
+//! handler that is gone (the client left) halts its generation at its next token.
 
 use super::queue::{Counters, Event, Job, Outcome};
 use super::stop::StopMatcher;
 use crate::conversation::PrefixCache;
-use crate::decode::generate::{FinishReason, Halt};
+use crate::decode::batch::{Batch, SequenceId};
+use crate::decode::generate::{FinishReason, Generation, Halt};
 use crate::session::Session;
 use crate::tokenizer::StreamDecoder;
 use anyhow::Result;
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::Receiver;
+use std::sync::mpsc::{Receiver, TryRecvError};
 use std::sync::Arc;
+use tokio::sync::mpsc::UnboundedSender;
 
-/// Starts the decoding thread on the receiving end of a [`super::queue::Queue`].
-pub fn start(session: Arc<Session>, jobs: Receiver<Job>, counters: Arc<Counters>) -> Result<()> {
+/// Starts the decoding thread on the receiving end of a [`super::queue::Queue`]: one job at a time when
+/// `parallel` is 1, else up to `parallel` decoded together.
+pub fn start(
+    session: Arc<Session>,
+    jobs: Receiver<Job>,
+    counters: Arc<Counters>,
+    parallel: usize,
+) -> Result<()> {
     std::thread::Builder::new()
         .name("probespec-decode".into())
-        .spawn(move || run(&session, jobs, &counters))?;
+        .spawn(move || match parallel {
+            0 | 1 => run(&session, jobs, &counters),
+            n => run_batched(&session, jobs, &counters, n),
+        })?;
     Ok(())
 }
 
-/// Runs jobs until every submitting end is gone.
+/// Runs jobs one at a time until every submitting end is gone.
 fn run(session: &Session, jobs: Receiver<Job>, counters: &Counters) {
     let mut cache = match PrefixCache::new(&session.model) {
         Ok(c) => Some(c),
@@ -44,62 +58,140 @@ fn run(session: &Session, jobs: Receiver<Job>, counters: &Counters) {
         // A panic in one generation must not take the server down: the job fails, the cache is dropped.
         let result = catch_unwind(AssertUnwindSafe(|| run_job(session, cache.as_mut(), &job)));
         counters.decoding.store(false, Ordering::SeqCst);
-        let failure = match result {
-            Ok(Ok(Some(outcome))) => {
-                counters.completed.fetch_add(1, Ordering::SeqCst);
-                let _ = job.events.send(Event::Done(Box::new(outcome)));
-                continue;
-            }
-            Ok(Ok(None)) => {
-                counters.cancelled.fetch_add(1, Ordering::SeqCst);
-                continue;
-            }
-            Ok(Err(e)) => format!("{e:#}"),
+        let result = match result {
+            Ok(r) => r.map_err(|e| format!("{e:#}")),
             Err(_) => {
                 if let Some(c) = cache.as_mut() {
                     c.clear();
                 }
-                "the generation panicked".to_string()
+                Err("the generation panicked".to_string())
             }
         };
-        counters.failed.fetch_add(1, Ordering::SeqCst);
-        eprintln!("probespec serve: a request failed: {failure}");
-        let _ = job.events.send(Event::Failed(failure));
+        report(counters, &job.events, result);
     }
 }
 
-/// One job: its answer, or `None` when its client left.
+/// Tells a job's handler how it ended, and counts it.
+fn report(counters: &Counters, events: &UnboundedSender<Event>, result: Result<Option<Outcome>, String>) {
+    match result {
+        Ok(Some(outcome)) => {
+            counters.completed.fetch_add(1, Ordering::SeqCst);
+            let _ = events.send(Event::Done(Box::new(outcome)));
+        }
+        Ok(None) => {
+            counters.cancelled.fetch_add(1, Ordering::SeqCst);
+        }
+        Err(failure) => {
+            counters.failed.fetch_add(1, Ordering::SeqCst);
+            eprintln!("probespec serve: a request failed: {failure}");
+            let _ = events.send(Event::Failed(failure));
+        }
+    }
+}
+
+/// A job decoding in the batch.
+struct Active<'a> {
+    events: UnboundedSender<Event>,
+    answer: Answer<'a>,
+    queue_seconds: f64,
+}
+
+/// Runs up to `parallel` jobs together until every submitting end is gone: waiting jobs join between
+/// steps (each prefilled alone), and each step decodes one block of every job in one forward pass.
+fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, parallel: usize) {
+    let mut batch = Batch::new(&session.model);
+    let mut active: HashMap<SequenceId, Active> = HashMap::new();
+    let mut open = true;
+    loop {
+        while open && batch.len() < parallel {
+            // Nothing decodes: wait for a job; else take only those already waiting.
+            let job = if batch.is_empty() {
+                jobs.recv().map_err(|_| TryRecvError::Disconnected)
+            } else {
+                jobs.try_recv()
+            };
+            let job = match job {
+                Ok(job) => job,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            };
+            counters.waiting.fetch_sub(1, Ordering::SeqCst);
+            if job.events.is_closed() {
+                counters.cancelled.fetch_add(1, Ordering::SeqCst);
+                continue;
+            }
+            let queue_seconds = job.enqueued.elapsed().as_secs_f64();
+            let spec = &job.spec;
+            let joined = catch_unwind(AssertUnwindSafe(|| {
+                let drafter = spec.method.drafter(spec.params.sampling.seed)?;
+                batch.join(&spec.prompt, drafter, &spec.params)
+            }));
+            match joined {
+                Ok(Ok(id)) => {
+                    let answer = Answer::new(session, &job);
+                    active.insert(
+                        id,
+                        Active {
+                            events: job.events,
+                            answer,
+                            queue_seconds,
+                        },
+                    );
+                }
+                Ok(Err(e)) => report(counters, &job.events, Err(format!("{e:#}"))),
+                Err(_) => report(counters, &job.events, Err("the prefill panicked".to_string())),
+            }
+        }
+        if batch.is_empty() {
+            if !open {
+                return;
+            }
+            continue;
+        }
+        counters.decoding.store(true, Ordering::SeqCst);
+        let step = catch_unwind(AssertUnwindSafe(|| {
+            batch.step(&mut |id, t| match active.get_mut(&id) {
+                Some(a) => a.answer.push(t),
+                None => Err(Halt.into()),
+            })
+        }));
+        match step {
+            Ok(Ok(ended)) => {
+                for (id, generation) in ended {
+                    let Some(a) = active.remove(&id) else { continue };
+                    let result = generation
+                        .and_then(|g| a.answer.finish(g, 0, a.queue_seconds))
+                        .map_err(|e| format!("{e:#}"));
+                    report(counters, &a.events, result);
+                }
+            }
+            // A step that fails or panics fails every job in it: the batch starts afresh.
+            failed => {
+                let why = match failed {
+                    Ok(Err(e)) => format!("{e:#}"),
+                    _ => "the generation panicked".to_string(),
+                };
+                for (_, a) in active.drain() {
+                    report(counters, &a.events, Err(why.clone()));
+                }
+                batch = Batch::new(&session.model);
+            }
+        }
+        counters.decoding.store(!batch.is_empty(), Ordering::SeqCst);
+    }
+}
+
+/// One job through the one-sequence loop, reusing the previous request's cache: its answer, or `None`
+/// when its client left.
 fn run_job(session: &Session, cache: Option<&mut PrefixCache>, job: &Job) -> Result<Option<Outcome>> {
     let queue_seconds = job.enqueued.elapsed().as_secs_f64();
     let spec = &job.spec;
     let mut drafter = spec.method.drafter(spec.params.sampling.seed)?;
-    let mut stream = StreamDecoder::new(&session.tokenizer);
-    let mut stops = StopMatcher::new(spec.stop.clone());
-    let mut text = String::new();
-    let mut gone = false;
-    let mut stopped = false;
-    let send = |piece: String, text: &mut String| -> bool {
-        if piece.is_empty() {
-            return !job.events.is_closed();
-        }
-        text.push_str(&piece);
-        job.events.send(Event::Text(piece)).is_ok()
-    };
-    let mut on_token = |t: u32| -> Result<()> {
-        if let Some(piece) = stream.push(t)? {
-            let passed = stops.push(&piece);
-            stopped = passed.stopped;
-            if !send(passed.text, &mut text) {
-                gone = true;
-            }
-        } else if job.events.is_closed() {
-            gone = true;
-        }
-        if gone || stopped {
-            return Err(Halt.into());
-        }
-        Ok(())
-    };
+    let mut answer = Answer::new(session, job);
+    let mut on_token = |t: u32| answer.push(t);
     let (generation, cached_tokens) = match cache {
         Some(c) => c.generate(
             &session.model,
@@ -119,40 +211,108 @@ fn run_job(session: &Session, cache: Option<&mut PrefixCache>, job: &Job) -> Res
             0,
         ),
     };
-    if gone {
-        eprintln!(
-            "probespec serve: the client left after {} of at most {} tokens: generation stopped",
-            generation.tokens.len(),
-            spec.params.max_new_tokens
-        );
-        return Ok(None);
-    }
-    if !stopped {
-        let mut tail = stream
-            .finish()?
-            .map(|p| stops.push(&p))
-            .map_or(String::new(), |p| {
-                stopped = p.stopped;
-                p.text
-            });
-        if !stopped {
-            tail.push_str(&stops.finish());
+    answer.finish(generation, cached_tokens, queue_seconds)
+}
+
+/// A job's answer as its tokens come: streaming detokenisation, stop strings, the text sent so far.
+struct Answer<'a> {
+    /// The job's handler.
+    events: UnboundedSender<Event>,
+    prompt_tokens: usize,
+    max_new_tokens: usize,
+    stream: StreamDecoder<'a>,
+    stops: StopMatcher,
+    text: String,
+    /// The client left.
+    gone: bool,
+    /// A stop string was seen.
+    stopped: bool,
+}
+
+impl<'a> Answer<'a> {
+    fn new(session: &'a Session, job: &Job) -> Self {
+        Answer {
+            events: job.events.clone(),
+            prompt_tokens: job.spec.prompt.len(),
+            max_new_tokens: job.spec.params.max_new_tokens,
+            stream: StreamDecoder::new(&session.tokenizer),
+            stops: StopMatcher::new(job.spec.stop.clone()),
+            text: String::new(),
+            gone: false,
+            stopped: false,
         }
-        if !send(tail, &mut text) {
+    }
+
+    /// Sends `piece` to the client; false when it is gone.
+    fn send(&mut self, piece: String) -> bool {
+        if piece.is_empty() {
+            return !self.events.is_closed();
+        }
+        self.text.push_str(&piece);
+        self.events.send(Event::Text(piece)).is_ok()
+    }
+
+    /// A committed token: its text goes to the client, unless a stop string ends it there; [`Halt`]
+    /// when the answer is complete or its client gone.
+    fn push(&mut self, t: u32) -> Result<()> {
+        if let Some(piece) = self.stream.push(t)? {
+            let passed = self.stops.push(&piece);
+            self.stopped = passed.stopped;
+            if !self.send(passed.text) {
+                self.gone = true;
+            }
+        } else if self.events.is_closed() {
+            self.gone = true;
+        }
+        if self.gone || self.stopped {
+            return Err(Halt.into());
+        }
+        Ok(())
+    }
+
+    /// The outcome of the finished `generation`, the text held back sent; `None` when the client left.
+    fn finish(
+        mut self,
+        generation: Generation,
+        cached_tokens: usize,
+        queue_seconds: f64,
+    ) -> Result<Option<Outcome>> {
+        if self.gone {
+            eprintln!(
+                "probespec serve: the client left after {} of at most {} tokens: generation stopped",
+                generation.tokens.len(),
+                self.max_new_tokens
+            );
             return Ok(None);
         }
+        if !self.stopped {
+            let mut tail = match self.stream.finish()? {
+                Some(p) => {
+                    let p = self.stops.push(&p);
+                    self.stopped = p.stopped;
+                    p.text
+                }
+                None => String::new(),
+            };
+            if !self.stopped {
+                tail.push_str(&self.stops.finish());
+            }
+            if !self.send(tail) {
+                return Ok(None);
+            }
+        }
+        let finish_reason = match generation.finish_reason {
+            FinishReason::StopToken | FinishReason::Halted => "stop",
+            FinishReason::MaxNewTokens | FinishReason::ContextWindow => "length",
+        };
+        Ok(Some(Outcome {
+            text: self.text,
+            tokens: generation.tokens,
+            finish_reason: if self.stopped { "stop" } else { finish_reason },
+            stats: generation.stats,
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens,
+            queue_seconds,
+        }))
     }
-    let finish_reason = match generation.finish_reason {
-        FinishReason::StopToken | FinishReason::Halted => "stop",
-        FinishReason::MaxNewTokens | FinishReason::ContextWindow => "length",
-    };
-    Ok(Some(Outcome {
-        text,
-        tokens: generation.tokens,
-        finish_reason: if stopped { "stop" } else { finish_reason },
-        stats: generation.stats,
-        prompt_tokens: spec.prompt.len(),
-        cached_tokens,
-        queue_seconds,
-    }))
 }

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Batched serving against llama.cpp's: scripts/serve-load.py at 1, 2, 4 and 8 concurrent clients against
+# `probespec serve --parallel 8` and `llama-server -np 8` on the same GGUF (default: the Llama-3.2-1B shape
+# in Q4_K_M that scripts/real-shapes.sh writes), greedy, plain decoding, the two servers alternating at
+# each concurrency. Every run sends the same TOTAL requests (the same prompts), split over its clients.
+# probespec's answers at 1 client are checked against the one-shot CLI's and every later run against
+# those; llama-server's against its own answers at 1 client (its answers change with what else is in the
+# batch).
+#   scripts/serve-batch.sh [OUT_DIR]   (env: GGUF, CONCURRENCY, TOTAL, MAX_TOKENS, PARALLEL, THREADS, METHOD)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-serve-batch-out}
+mkdir -p "$OUT"
+GGUF=${GGUF:-$HOME/.cache/probespec/shapes/llama3.2-1b.q4_k_m.gguf}
+CONCURRENCY=${CONCURRENCY:-1 2 4 8}
+TOTAL=${TOTAL:-24}
+MAX_TOKENS=${MAX_TOKENS:-64}
+PARALLEL=${PARALLEL:-8}
+THREADS=${THREADS:-2}
+METHOD=${METHOD:-ar}
+LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/llamacpp-tools/bin/llama-server}
+PROBESPEC=target/release/probespec
+
+[ -f "$GGUF" ] || { echo "no model at $GGUF: run scripts/real-shapes.sh (or set GGUF)" >&2; exit 1; }
+[ -x "$PROBESPEC" ] || cargo build --release
+[ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: run scripts/llamacpp-tools.sh" >&2; exit 1; }
+
+python3 - "$OUT/results.jsonl" "GGUF=$GGUF CONCURRENCY='$CONCURRENCY' TOTAL=$TOTAL MAX_TOKENS=$MAX_TOKENS PARALLEL=$PARALLEL THREADS=$THREADS METHOD=$METHOD scripts/serve-batch.sh" <<'PY'
+import json, subprocess, sys, time
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout:
+    commit += "-dirty"
+cpu, flags = "", set()
+for line in open("/proc/cpuinfo"):
+    if line.startswith("model name") and not cpu:
+        cpu = line.split(":", 1)[1].strip()
+    if line.startswith("flags"):
+        flags = set(line.split(":", 1)[1].split())
+with open(sys.argv[1], "w") as f:
+    f.write(json.dumps({"provenance": {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_commit": commit, "cpu": cpu,
+        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}),
+        "command": sys.argv[2]}}) + "\n")
+PY
+
+wait_health() {
+  for _ in $(seq 900); do
+    curl -sf "$1/health" >/dev/null 2>&1 && return 0
+    sleep 0.2
+  done
+  echo "the server at $1 did not come up" >&2
+  return 1
+}
+
+run() { # label port clients log -- server command...
+  local label=$1 port=$2 clients=$3 log=$4; shift 5
+  "$@" >"$log" 2>&1 &
+  local pid=$!
+  if wait_health "http://127.0.0.1:$port"; then
+    python3 scripts/serve-load.py --url "http://127.0.0.1:$port" --label "$label" --clients "$clients" \
+      --requests $((TOTAL / clients)) --max-tokens "$MAX_TOKENS" "${CHECK[@]}" | tee -a "$OUT/results.jsonl" || true
+  fi
+  kill "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+
+PS=(env RAYON_NUM_THREADS="$THREADS" "$PROBESPEC" serve --port 18090 --model "$GGUF" --method "$METHOD"
+    --parallel "$PARALLEL" --queue 64)
+LS=("$LLAMA_SERVER" -m "$GGUF" --port 18091 -t "$THREADS" -np "$PARALLEL" -c $((PARALLEL * 2048)) --no-webui)
+for c in $CONCURRENCY; do
+  if [ -f "$OUT/probespec-answers.json" ]; then
+    CHECK=(--check "$OUT/probespec-answers.json")
+  else
+    CHECK=(--cli "$PROBESPEC" "--cli-args=--model $GGUF --method $METHOD" --save "$OUT/probespec-answers.json")
+  fi
+  run "probespec serve --parallel $PARALLEL" 18090 "$c" "$OUT/probespec-$c.log" -- "${PS[@]}"
+  if [ -f "$OUT/llama-answers.json" ]; then
+    CHECK=(--check "$OUT/llama-answers.json")
+  else
+    CHECK=(--save "$OUT/llama-answers.json")
+  fi
+  run "llama-server -np $PARALLEL" 18091 "$c" "$OUT/llama-$c.log" -- "${LS[@]}"
+done
