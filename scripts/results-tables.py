@@ -8,7 +8,8 @@ differ between the two files or from its record:
     <!-- table KIND/RECORD VIEW -->        a shapes record (compare-llamacpp.py --shapes --json):
     ...                                    VIEW is A (plain decoding), B (block cost) or C (loading);
     <!-- /table -->                        a Spec-Bench run folder (probespec bench --out): VIEW is groups;
-                                           a serve-load record (serve-load.py --json): VIEW is load
+                                           a serve-load record (serve-load.py --json): VIEW is load, or
+                                           batch (serve-batch.sh: tokens/s by clients, per server)
     <!-- table KIND readme -->             the README's results table: KIND/shapes.json's plain decoding
                                            and KIND/spec-bench-*-gguf's methods
 
@@ -158,6 +159,25 @@ def load_view(path, view):
     return "\n".join(lines).lstrip("\n")
 
 
+def batch_view(path, view):
+    with open(path) as f:
+        runs = [json.loads(line) for line in f if line.strip()]
+    meta = next((r for r in runs if "provenance" in r), None)
+    runs = [r for r in runs if "label" in r]
+    one = {r["label"]: r["tokens_per_s"] for r in runs if r["clients"] == 1 and r.get("tokens_per_s")}
+    lines = [provenance_line(meta["provenance"]) if meta else "", "",
+             "| server | clients | tokens/s | over 1 client | latency p50 / p99 (s) | "
+             "time to first token p50 (s) | mismatches |", "|---|---|---|---|---|---|---|"]
+    for r in sorted(runs, key=lambda r: (r["label"], r["clients"])):
+        tps = r.get("tokens_per_s")
+        base = one.get(r["label"])
+        over = f"{tps / base:.2f}x" if tps and base else "n/a"
+        differ = r.get("mismatches", "n/a")
+        lines.append(f"| {r['label']} | {r['clients']} | {tps:.1f} | {over} | {r['latency_p50_s']:.2f} / "
+                     f"{r['latency_p99_s']:.2f} | {r['ttft_p50_s']:.2f} | {differ} |")
+    return "\n".join(lines).lstrip("\n")
+
+
 # --- the README's results table -----------------------------------------------------------------------
 
 def readme_view(kind):
@@ -209,6 +229,8 @@ def render(source, view):
         return groups_view(path, view)
     if view == "load":
         return load_view(path, view)
+    if view == "batch":
+        return batch_view(path, view)
     sys.exit(f"unknown table view {view!r} for {source}")
 
 

@@ -25,23 +25,7 @@ PROBESPEC=target/release/probespec
 [ -x "$PROBESPEC" ] || cargo build --release
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: run scripts/llamacpp-tools.sh" >&2; exit 1; }
 
-python3 - "$OUT/results.jsonl" "GGUF=$GGUF CONCURRENCY='$CONCURRENCY' TOTAL=$TOTAL MAX_TOKENS=$MAX_TOKENS PARALLEL=$PARALLEL THREADS=$THREADS METHOD=$METHOD scripts/serve-batch.sh" <<'PY'
-import json, subprocess, sys, time
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout:
-    commit += "-dirty"
-cpu, flags = "", set()
-for line in open("/proc/cpuinfo"):
-    if line.startswith("model name") and not cpu:
-        cpu = line.split(":", 1)[1].strip()
-    if line.startswith("flags"):
-        flags = set(line.split(":", 1)[1].split())
-with open(sys.argv[1], "w") as f:
-    f.write(json.dumps({"provenance": {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_commit": commit, "cpu": cpu,
-        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}),
-        "command": sys.argv[2]}}) + "\n")
-PY
+python3 scripts/provenance.py "$OUT/results.jsonl" "GGUF=$GGUF CONCURRENCY='$CONCURRENCY' TOTAL=$TOTAL MAX_TOKENS=$MAX_TOKENS PARALLEL=$PARALLEL THREADS=$THREADS METHOD=$METHOD scripts/serve-batch.sh"
 
 wait_health() {
   for _ in $(seq 900); do

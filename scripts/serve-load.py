@@ -158,10 +158,11 @@ def main():
     answers = {}
     mismatches = 0
     for prompt, text, *_ in results:
-        if answers.setdefault(prompt, text) != text:
-            mismatches += 1  # the same prompt answered two ways within the run
+        # An answer that differs from the same prompt's first answer in the run, or from the reference.
+        differs = answers.setdefault(prompt, text) != text
         if reference is not None and reference.get(prompt) != text:
-            mismatches += 1
+            differs = True
+        mismatches += differs
     if a.save:
         with open(a.save, "w") as f:
             json.dump(answers, f, indent=1)

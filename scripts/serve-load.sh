@@ -23,23 +23,7 @@ LOAD=(python3 scripts/serve-load.py --clients "$CLIENTS" --requests "$REQUESTS" 
 [ -x "$PROBESPEC" ] || cargo build --release
 
 # Where the numbers come from: date, commit, CPU and the command (the first line of results.jsonl).
-python3 - "$OUT/results.jsonl" "CLIENTS=$CLIENTS REQUESTS=$REQUESTS MAX_TOKENS=$MAX_TOKENS THREADS=$THREADS" <<'PY'
-import json, subprocess, sys, time
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-if subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout:
-    commit += "-dirty"
-cpu, flags = "", set()
-for line in open("/proc/cpuinfo"):
-    if line.startswith("model name") and not cpu:
-        cpu = line.split(":", 1)[1].strip()
-    if line.startswith("flags"):
-        flags = set(line.split(":", 1)[1].split())
-with open(sys.argv[1], "w") as f:
-    f.write(json.dumps({"provenance": {
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "repo_commit": commit, "cpu": cpu,
-        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8"}),
-        "command": sys.argv[2] + " scripts/serve-load.sh"}}) + "\n")
-PY
+python3 scripts/provenance.py "$OUT/results.jsonl" "CLIENTS=$CLIENTS REQUESTS=$REQUESTS MAX_TOKENS=$MAX_TOKENS THREADS=$THREADS scripts/serve-load.sh"
 
 wait_health() {
   for _ in $(seq 600); do

@@ -6,7 +6,6 @@ mod common;
 
 use common::server::{token_ids, Server};
 use common::TinySpec;
-use probespec::decode::generate::{generate, GenerateParams};
 use probespec::decode::method::Method;
 use probespec::decode::sampling::SamplingParams;
 use probespec::model::load::{load_model, LoadOptions, LoadedModel as Loaded, ModelSource};
@@ -39,16 +38,7 @@ fn library_answer(
     let prompt = tok
         .encode(&tok.apply_chat_template(messages, true).unwrap())
         .unwrap();
-    let params = GenerateParams {
-        max_new_tokens: max_new,
-        sampling,
-        stop_tokens: tok.stop_tokens().to_vec(),
-        max_block_rows: None,
-    };
-    let mut d = method.drafter(sampling.seed).unwrap();
-    generate(&l.model, &prompt, d.as_mut(), &params, &mut |_| Ok(()))
-        .unwrap()
-        .tokens
+    common::decoding::library_tokens(l, &prompt, method, max_new, sampling)
 }
 
 fn chat_body(messages: &[Message], extra: Value) -> Value {

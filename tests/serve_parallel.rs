@@ -5,7 +5,6 @@
 mod common;
 
 use common::server::{token_ids, Server};
-use probespec::decode::generate::{generate, GenerateParams};
 use probespec::decode::method::Method;
 use probespec::decode::sampling::SamplingParams;
 use probespec::model::load::{load_model, LoadOptions, LoadedModel, ModelSource};
@@ -34,18 +33,8 @@ fn library_answer(
     max_new: usize,
     sampling: SamplingParams,
 ) -> Vec<u32> {
-    let tok = &l.tokenizer;
-    let prompt = tok.encode(prompt).unwrap();
-    let params = GenerateParams {
-        max_new_tokens: max_new,
-        sampling,
-        stop_tokens: tok.stop_tokens().to_vec(),
-        max_block_rows: None,
-    };
-    let mut d = method.drafter(sampling.seed).unwrap();
-    generate(&l.model, &prompt, d.as_mut(), &params, &mut |_| Ok(()))
-        .unwrap()
-        .tokens
+    let prompt = l.tokenizer.encode(prompt).unwrap();
+    common::decoding::library_tokens(l, &prompt, method, max_new, sampling)
 }
 
 /// Prompts with text to copy, and without.

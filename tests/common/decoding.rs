@@ -299,3 +299,24 @@ pub fn logits_in_blocks(m: &Transformer, ids: &[u32], blocks: &[usize]) -> Vec<f
 pub fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
+
+/// What the library's `generate` gives `prompt` (token ids) with `method`, up to `max_new` tokens and
+/// `l`'s stop tokens: the answer the server and the CLI must give for the same request.
+pub fn library_tokens(
+    l: &probespec::model::LoadedModel,
+    prompt: &[u32],
+    method: &Method,
+    max_new: usize,
+    sampling: probespec::decode::sampling::SamplingParams,
+) -> Vec<u32> {
+    let params = GenerateParams {
+        max_new_tokens: max_new,
+        sampling,
+        stop_tokens: l.tokenizer.stop_tokens().to_vec(),
+        max_block_rows: None,
+    };
+    let mut d = method.drafter(sampling.seed).unwrap();
+    generate(&l.model, prompt, d.as_mut(), &params, &mut |_| Ok(()))
+        .unwrap()
+        .tokens
+}
