@@ -11,13 +11,14 @@
 //!
 //! What speculation may lose is bounded against the time measured (the prefill's included): every block
 //! that commits less than its price would have bought as plain steps adds the difference to a loss, and
-//! what speculation gained is summed apart (prices from the curve as the timed steps correct it). An exploring block is sent only if the loss, were it to commit nothing, would
-//! stay within [`EXPLORE_SHARE`] of the time so far (the prefill's included) plus [`WIN_BACK_SHARE`] of
-//! the gains. A block the drafter's model expects to pay is trusted to it until [`TRUSTED_FAILURES`]
-//! speculative blocks in a row have committed nothing beyond the bonus token; from there on, until one
-//! commits a draft, it must fit the same budget with all of the gains. So a method whose drafts keep
-//! failing, whatever its model says, stops and costs about 1% over plain decoding (and a few blocks);
-//! one that pays may spend part of what it won looking for more.
+//! what speculation gained is summed apart (prices from the curve as the timed steps correct it). An
+//! exploring block is sent only if what the explorations cost beyond plain steps, this one included,
+//! stays within [`EXPLORE_SHARE`] of the time so far plus [`WIN_BACK_SHARE`] of the gains. A block the
+//! drafter's model expects to pay is trusted to it until [`TRUSTED_FAILURES`] speculative blocks in a row
+//! have committed nothing beyond the bonus token; from there on, until one commits a draft, the loss,
+//! were it to commit nothing too, must stay within [`EXPLORE_SHARE`] of the time plus all of the gains.
+//! So a method whose drafts keep failing, whatever its model says, stops and costs about 1% over plain
+//! decoding (and a few blocks); one that pays may spend part of what it won looking for more.
 //!
 //! How a drafter estimates acceptance is its own: ESP from the rank of the committed token among its
 //! mask's candidates, the chain and trie drafters from [`Rate`]s counted per source and depth.
@@ -213,6 +214,15 @@ impl Chooser {
         self.failed_in_a_row < TRUSTED_FAILURES || self.within_budget(rows, context, 1.0)
     }
 
+    /// Whether an exploring block of `rows` after `context` cached tokens fits its budget: what the
+    /// explorations cost beyond plain steps, this one included, within [`EXPLORE_SHARE`] of the time so
+    /// far plus [`WIN_BACK_SHARE`] of the gains. Offers' losses are not charged to it: after failed offers
+    /// the explorations are what finds the text predictable again.
+    fn exploration_allowed(&self, rows: usize, context: usize) -> bool {
+        let worst = (self.cost(rows, context) - self.cost(1, context)).max(0.0);
+        self.explored + worst <= EXPLORE_SHARE * self.spent + WIN_BACK_SHARE * self.gained
+    }
+
     /// Whether a block of `rows` after `context` cached tokens, were it to commit only its bonus token,
     /// would leave the loss within [`EXPLORE_SHARE`] of the time so far plus `share` of the gains.
     fn within_budget(&self, rows: usize, context: usize, share: f64) -> bool {
@@ -330,7 +340,7 @@ impl Chooser {
             None => {
                 self.plain_run += 1;
                 let explore = self.plain_run >= self.explore_after
-                    && self.within_budget(self.explore_rows, context, WIN_BACK_SHARE);
+                    && self.exploration_allowed(self.explore_rows, context);
                 if !explore {
                     return Choice::Plain;
                 }
