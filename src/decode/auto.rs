@@ -194,7 +194,8 @@ impl Chooser {
     }
 
     /// Seconds the speculative blocks lost and gained against plain decoding so far.
-    pub fn losses_and_gains(&self) -> (f64, f64) {
+    #[cfg(test)]
+    pub(crate) fn losses_and_gains(&self) -> (f64, f64) {
         (self.lost, self.gained)
     }
 

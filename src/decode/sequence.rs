@@ -310,11 +310,6 @@ impl Sequence {
         Ok(())
     }
 
-    /// The tokens emitted so far.
-    pub fn tokens(&self) -> &[u32] {
-        &self.generated
-    }
-
     /// Ends the generation (a caller that stops stepping it ends it as [`FinishReason::Halted`]); `cache`
     /// keeps the history only, ready for a next turn.
     pub fn finish(mut self, cache: &mut KvCache) -> Generation {
@@ -332,11 +327,6 @@ impl Sequence {
 }
 
 impl Block {
-    /// Rows in the forward pass.
-    pub fn rows(&self) -> usize {
-        self.layout.rows
-    }
-
     /// The rows whose logits verification reads first: the root's, its probes', and its first-child path's
     /// up to [`LOGIT_ROWS`]; a batch computes them for all its sequences in one projection.
     pub fn first_rows(&self, drafter: &dyn Drafter) -> Vec<usize> {
