@@ -5,7 +5,8 @@
 //! expected to commit (1 for the bonus token, plus the chance that each drafted node is accepted: by
 //! linearity of expectation, accepted tokens are the sum of the nodes' reach probabilities). [`Chooser`]
 //! divides those by the block's cost at the current cache length (the [`CostCurve`]) plus one vocabulary
-//! projection per expected accepted level, and keeps the best; plain decoding is one row and one token.
+//! projection per expected accepted level, and keeps the best; plain decoding is one row and one token,
+//! and an offer must beat it by [`OFFER_MARGIN`], more than the prices' error.
 //! After a run of plain steps it asks for one small exploring block, so acceptance keeps being observed and
 //! speculation can come back when the text becomes predictable.
 //!
@@ -72,6 +73,12 @@ pub const WIN_BACK_SHARE: f64 = 0.25;
 /// few failures are the price of drafts that pay later (a lookup chain's first match often does not);
 /// a run of them is evidence against the drafter's model.
 pub const TRUSTED_FAILURES: usize = 8;
+
+/// The share by which an offer's expected rate must beat plain decoding's: the prices come from a curve
+/// timed in about a second and from steps whose times vary by a tenth, so an edge thinner than this is
+/// within their error, and sending such blocks on a busy CPU was measured to lose (a 2-row lookahead
+/// window sent at 49 of 51 steps for a 0.3% edge, 0.89x plain decoding).
+pub const OFFER_MARGIN: f64 = 0.02;
 
 /// Accepted levels whose logits the verifier's first projection usually holds already (it fetches the
 /// first-child path ahead, up to [`LOGIT_ROWS`](super::cost_curve::LOGIT_ROWS) rows).
@@ -202,10 +209,10 @@ impl Chooser {
     /// Whether some offer beats plain decoding after `context` cached tokens and may be sent (nothing is
     /// chosen or counted): a drafter asks before paying for what only a speculative step would use.
     pub fn would_speculate(&self, context: usize, offers: &[Offer]) -> bool {
-        let plain = self.rate(Offer { rows: 1, tokens: 1.0 }, context);
+        let bar = self.rate(Offer { rows: 1, tokens: 1.0 }, context) * (1.0 + OFFER_MARGIN);
         offers
             .iter()
-            .any(|&o| self.rate(o, context) > plain * (1.0 + 1e-9) && self.offer_allowed(o.rows, context))
+            .any(|&o| self.rate(o, context) > bar && self.offer_allowed(o.rows, context))
     }
 
     /// Whether an offer of `rows` may be sent after `context` cached tokens: trusted to the drafter's
@@ -296,9 +303,16 @@ impl Chooser {
         (self.cost_ratio_sum[c] + COST_PRIOR_STEPS) / (self.cost_steps[c] + COST_PRIOR_STEPS)
     }
 
-    /// A block's cost after `context` cached tokens: the curve's, corrected by what such steps took.
+    /// A block's cost after `context` cached tokens: the curve's, corrected by what such steps took, and
+    /// never below a plain step's. A correction learnt from a few noisy steps could price extra rows
+    /// below none; a failed block would then count as a gain and fund more of them.
     fn cost(&self, rows: usize, context: usize) -> f64 {
-        self.curve.cost(rows, context) * self.cost_factor(rows)
+        let own = self.curve.cost(rows, context) * self.cost_factor(rows);
+        if rows <= 1 {
+            own
+        } else {
+            own.max(self.cost(1, context))
+        }
     }
 
     /// Expected committed tokens per second of `offer` after `context` cached tokens.
@@ -314,7 +328,7 @@ impl Chooser {
     }
 
     /// The best of `offers` after `context` cached tokens that the loss budget affords, or plain decoding
-    /// when none beats it (ties go to plain decoding, and to the smaller block); after [`EXPLORE_EVERY`]
+    /// when none beats it by [`OFFER_MARGIN`] (ties go to the smaller block); after [`EXPLORE_EVERY`]
     /// plain steps in a row (twice as many after each exploration that changed nothing, up to
     /// [`EXPLORE_EVERY_MAX`]), [`Choice::Explore`], when the budget affords it (else the next plain step
     /// asks again). With nothing on offer the step is plain and no exploration is owed.
@@ -325,7 +339,8 @@ impl Chooser {
             return Choice::Plain;
         }
         let plain_seconds = self.cost(1, context);
-        let mut best = (self.rate(Offer { rows: 1, tokens: 1.0 }, context), None);
+        let bar = self.rate(Offer { rows: 1, tokens: 1.0 }, context) * (1.0 + OFFER_MARGIN);
+        let mut best = (bar, None);
         for (i, &o) in offers.iter().enumerate() {
             let r = self.rate(o, context);
             if r > best.0 * (1.0 + 1e-9) && self.offer_allowed(o.rows, context) {
