@@ -541,6 +541,39 @@ fn spec_bench_export_agrees_with_the_report() {
     }
 }
 
+/// `--repeats 3` asks each question three times per configuration and keeps one record per turn, with
+/// the same tokens as a single run; the invocation says how many runs each record is the median of.
+#[test]
+fn repeats_keep_one_record_per_turn() {
+    let f = fixture();
+    let (once, thrice) = (f.root.join("once"), f.root.join("thrice"));
+    let flags = ["--methods", "ar,pld", "--warmup", "0"];
+    f.bench(&once, &flags).ok();
+    f.bench(&thrice, &[&flags[..], &["--repeats", "3"]].concat()).ok();
+    let tokens = |dir: &Path| -> Vec<(i64, String, usize, Value)> {
+        record_lines(dir)
+            .iter()
+            .map(|l| serde_json::from_str::<Value>(l).unwrap())
+            .map(|r| {
+                (
+                    r["question_id"].as_i64().unwrap(),
+                    r["config"].as_str().unwrap().to_string(),
+                    r["turn"].as_u64().unwrap() as usize,
+                    r["tokens"].clone(),
+                )
+            })
+            .collect()
+    };
+    let (a, b) = (tokens(&once), tokens(&thrice));
+    assert_eq!(a.len(), 2 * TURNS);
+    assert_eq!(a, b);
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(thrice.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["invocations"][0]["repeats"], 3);
+    f.bench(&f.root.join("never"), &[&flags[..], &["--repeats", "0"]].concat())
+        .fails_with("--repeats");
+}
+
 /// A reader that stops reading (`probespec bench report DIR | head`) ends `bench report` and `bench export`
 /// quietly, with status 0, like generation does.
 #[test]

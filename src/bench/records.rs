@@ -263,7 +263,15 @@ pub struct Invocation {
     pub device: String,
     pub configs: Vec<String>,
     pub warmup: usize,
+    /// Runs of each question by every configuration, of which each turn kept the median (1 before
+    /// `--repeats`).
+    #[serde(default = "one_run")]
+    pub repeats: usize,
     pub shard: Option<String>,
+}
+
+fn one_run() -> usize {
+    1
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -314,9 +322,72 @@ pub fn setting_differences(a: &Settings, b: &Settings, ignore: &[&str]) -> Vec<S
         .collect()
 }
 
+/// The run of median wall time, turn by turn, of one question asked `runs.len()` times by one
+/// configuration (each run its turns' records, in order): what `--repeats` keeps on a machine whose load
+/// moves a single run's time by a tenth. Every run must have given the same tokens: greedy decoding does
+/// not depend on timing, only the blocks the methods choose do.
+pub fn median_run(runs: Vec<Vec<Record>>) -> Result<Vec<Record>> {
+    let turns = runs.first().map_or(0, Vec::len);
+    if runs.iter().any(|r| r.len() != turns) {
+        bail!("repeats of one question gave different numbers of turns");
+    }
+    let mut by_turn: Vec<Vec<Record>> = (0..turns).map(|_| Vec::with_capacity(runs.len())).collect();
+    for run in runs {
+        for (t, r) in run.into_iter().enumerate() {
+            by_turn[t].push(r);
+        }
+    }
+    by_turn
+        .into_iter()
+        .map(|mut same| {
+            let first = &same[0];
+            if let Some(other) = same.iter().find(|r| r.tokens != first.tokens) {
+                bail!(
+                    "question {} turn {} ({}): a repeat gave other tokens ({} against {}): decoding is not \
+                     deterministic",
+                    first.question_id,
+                    first.turn,
+                    first.config,
+                    other.tokens.len(),
+                    first.tokens.len()
+                );
+            }
+            same.sort_by(|a, b| a.wall_seconds.total_cmp(&b.wall_seconds));
+            Ok(same.swap_remove((same.len() - 1) / 2))
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn repeats_keep_the_run_of_median_time_turn_by_turn() {
+        let timed = |turn: usize, wall: f64| Record {
+            wall_seconds: wall,
+            ..rec(7, turn, 2, "pld")
+        };
+        let runs = vec![
+            vec![timed(1, 3.0), timed(2, 1.0)],
+            vec![timed(1, 1.0), timed(2, 2.0)],
+            vec![timed(1, 2.0), timed(2, 3.0)],
+        ];
+        let kept = median_run(runs).unwrap();
+        let walls: Vec<(usize, f64)> = kept.iter().map(|r| (r.turn, r.wall_seconds)).collect();
+        assert_eq!(walls, [(1, 2.0), (2, 2.0)]);
+        // Two runs: the faster one.
+        assert_eq!(
+            median_run(vec![vec![timed(1, 5.0)], vec![timed(1, 4.0)]]).unwrap()[0].wall_seconds,
+            4.0
+        );
+        // Other tokens in a repeat are an error, not a median.
+        let mut other = timed(1, 1.0);
+        other.tokens.push(99);
+        let err = median_run(vec![vec![timed(1, 2.0)], vec![other]]).unwrap_err();
+        assert!(err.to_string().contains("not deterministic"), "{err}");
+        assert!(median_run(vec![vec![timed(1, 2.0)], vec![]]).is_err());
+    }
 
     fn rec(q: i64, turn: usize, turns: usize, config: &str) -> Record {
         Record {

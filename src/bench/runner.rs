@@ -6,8 +6,8 @@
 
 use super::questions::{questions_or_bundled, select, Question, Selection};
 use super::records::{
-    complete_conversations, keep_complete, read_records, setting_differences, write_records, Invocation,
-    Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
+    complete_conversations, keep_complete, median_run, read_records, setting_differences, write_records,
+    Invocation, Record, RecordLog, RunInfo, Settings, RECORDS_FILE,
 };
 use crate::decode::generate::GenerateParams;
 use crate::decode::method::{
@@ -60,6 +60,8 @@ pub struct BenchOptions {
     pub shard: Option<(usize, usize)>,
     /// Unrecorded runs of the first question by every configuration before measuring.
     pub warmup: usize,
+    /// Runs of each question by every configuration, interleaved; each turn keeps the median.
+    pub repeats: usize,
     pub system: Option<String>,
     /// Seed of drafters that draw random numbers.
     pub seed: u64,
@@ -385,6 +387,7 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         device: device_name(a),
         configs: configs.iter().map(|c| c.name.clone()).collect(),
         warmup: a.warmup,
+        repeats: a.repeats,
         shard: run.settings.shard.clone(),
     };
     if let Some(prev) = run.invocations.last() {
@@ -417,7 +420,9 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
     };
 
     let tty = std::io::stderr().is_terminal();
-    let bar = ProgressBar::with_draw_target(Some(total_turns as u64), ProgressDrawTarget::stderr());
+    let repeats = a.repeats.max(1);
+    let bar =
+        ProgressBar::with_draw_target(Some((total_turns * repeats) as u64), ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} turns, ETA {eta} | {msg}")
             .expect("valid progress template")
@@ -458,15 +463,26 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
     let started = Instant::now();
     for (k, (qi, cs)) in todo.iter().enumerate() {
         let q = &questions[*qi];
-        for &ci in cs {
-            engine.conversation(q, &configs[ci], &mut |r| {
+        // Repeats go round the configurations, so each one's runs see the same spread of load.
+        let mut runs: Vec<Vec<Vec<Record>>> = vec![Vec::with_capacity(repeats); cs.len()];
+        for _ in 0..repeats {
+            for (j, &ci) in cs.iter().enumerate() {
+                let mut turns = Vec::new();
+                engine.conversation(q, &configs[ci], &mut |r| {
+                    turns.push(r);
+                    bar.inc(1);
+                    Ok(())
+                })?;
+                runs[j].push(turns);
+            }
+        }
+        for config_runs in runs {
+            for r in median_run(config_runs)? {
                 log.append(&r)?;
                 tau.add(&r);
-                bar.inc(1);
-                bar.set_message(tau.line());
-                Ok(())
-            })?;
+            }
         }
+        bar.set_message(tau.line());
         if !tty {
             // Without a terminal the bar is hidden: a line per question keeps logs informative.
             let frac = (k + 1) as f64 / todo.len() as f64;

@@ -102,6 +102,10 @@ pub struct BenchRunArgs {
     /// Unrecorded runs of the first question by every configuration before measuring (Spec-Bench: 3).
     #[arg(long, default_value_t = 3)]
     pub warmup: usize,
+    /// Runs of each question by every configuration, interleaved; each turn keeps the run of median wall
+    /// time (for a machine whose load moves one run's time). 1: Spec-Bench's single run.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub repeats: u32,
     /// System message for the chat template.
     #[arg(long)]
     pub system: Option<String>,
@@ -128,6 +132,7 @@ impl BenchRunArgs {
             out: self.out.clone(),
             shard: self.shard,
             warmup: self.warmup,
+            repeats: self.repeats as usize,
             system: self.system.clone(),
             seed: self.seed,
         }

@@ -403,7 +403,12 @@ fn a_block_is_never_priced_below_a_plain_step() {
 #[test]
 fn an_offer_must_beat_plain_decoding_by_the_margin() {
     let mut c = chooser(|_, _| 1.0);
-    let edge = |share: f64| [Offer { rows: 2, tokens: 1.0 + share }];
+    let edge = |share: f64| {
+        [Offer {
+            rows: 2,
+            tokens: 1.0 + share,
+        }]
+    };
     assert_eq!(c.choose(64, &edge(0.5 * OFFER_MARGIN)), Choice::Plain);
     assert!(!c.would_speculate(64, &edge(0.5 * OFFER_MARGIN)));
     assert_eq!(c.choose(64, &edge(1.5 * OFFER_MARGIN)), Choice::Offer(0));
