@@ -45,8 +45,9 @@ fn size_class(rows: usize) -> usize {
     (ceil_log2 - 1).min(SIZE_CLASSES - 1)
 }
 
-/// The class of the measured cost correction: 0 for one row (a plain step), then blocks by
-/// [`size_class`].
+/// Classes of the measured cost correction: one row (a plain step), then blocks by [`size_class`].
+const COST_CLASSES: usize = SIZE_CLASSES + 1;
+
 fn cost_class(rows: usize) -> usize {
     if rows <= 1 {
         0
@@ -54,6 +55,9 @@ fn cost_class(rows: usize) -> usize {
         1 + size_class(rows)
     }
 }
+
+/// Steps' worth of evidence that a class's cost is the curve's, before its measured steps count.
+const COST_PRIOR_STEPS: f64 = 3.0;
 
 /// While plain decoding is chosen, after this many plain steps one small block explores ...
 pub const EXPLORE_EVERY: usize = 8;
@@ -118,6 +122,12 @@ pub struct Chooser {
     class_accepted: [f64; SIZE_CLASSES],
     /// The offer chosen this step, until [`Chooser::record`].
     pending: Option<Pending>,
+    /// Measured over curve seconds of the steps taken, summed per [`cost_class`], and their counts. The
+    /// curve was timed once, in about a second, on a machine whose load changes: a noisy timing can price
+    /// a block of 4 rows as cheap as one row (seen here: f32 weights, where every step then sent a block
+    /// that could not pay). What the steps really took corrects the curve, class by class.
+    cost_ratio_sum: [f64; COST_CLASSES],
+    cost_steps: [f64; COST_CLASSES],
     /// The class and curve seconds of this step's choice (plain and exploring steps too), until
     /// [`Chooser::record`].
     last_priced: Option<(usize, f64)>,
@@ -158,6 +168,8 @@ impl Chooser {
             class_promised: [0.0; SIZE_CLASSES],
             class_accepted: [0.0; SIZE_CLASSES],
             pending: None,
+            cost_ratio_sum: [0.0; COST_CLASSES],
+            cost_steps: [0.0; COST_CLASSES],
             last_priced: None,
             explore_rows: 2,
             spent: 0.0,
@@ -250,7 +262,8 @@ impl Chooser {
         let measured = step.seconds > 0.0;
         self.spent += if measured { step.seconds } else { priced };
         if !step.replaced && measured && priced > 0.0 {
-            self.curve.correction.record(class, step.seconds / priced);
+            self.cost_ratio_sum[class] += (step.seconds / priced).clamp(0.25, 4.0);
+            self.cost_steps[class] += 1.0;
         }
         if let Some(p) = self.pending.take() {
             if !step.replaced {
@@ -283,12 +296,11 @@ impl Chooser {
         }
     }
 
-    /// How much more (or less) than the curve's price the steps of `rows` rows took, over the steps
-    /// of every request priced by this curve ([`CostCorrection`](super::cost_correction::CostCorrection)):
-    /// a noisy timing can price a block of 4 rows as cheap as one row (seen here: f32 weights, where every
-    /// step then sent a block that could not pay), or 2 rows at 1.4 plain steps where they take 1.1.
+    /// How much more (or less) than the curve's price the steps of `rows` rows took, from
+    /// three steps at 1 (the curve) and every measured step.
     pub fn cost_factor(&self, rows: usize) -> f64 {
-        self.curve.correction.factor(cost_class(rows))
+        let c = cost_class(rows);
+        (self.cost_ratio_sum[c] + COST_PRIOR_STEPS) / (self.cost_steps[c] + COST_PRIOR_STEPS)
     }
 
     /// A block's cost after `context` cached tokens: the curve's, corrected by what such steps took, and

@@ -414,32 +414,3 @@ fn an_offer_must_beat_plain_decoding_by_the_margin() {
     assert_eq!(c.choose(64, &edge(1.5 * OFFER_MARGIN)), Choice::Offer(0));
     assert!(c.would_speculate(64, &edge(1.5 * OFFER_MARGIN)));
 }
-
-#[test]
-fn the_requests_on_one_curve_pool_what_their_steps_took() {
-    // The curve prices 4 rows at 2 plain steps; they take 1.2.
-    let curve = Arc::new(CostCurve::from_fn(|_, r| if r == 1 { 1.0 } else { 2.0 }, 0.0));
-    let offer = [Offer { rows: 4, tokens: 1.6 }];
-    let mut first = Chooser::new(curve.clone()).with_time_spent(1e9);
-    assert_eq!(first.choose(64, &offer), Choice::Plain);
-    for _ in 0..40 {
-        first.choose(64, &[Offer { rows: 4, tokens: 4.0 }]);
-        first.record(&Step {
-            seconds: 1.2,
-            ..step(&[5, 6, 7, 8])
-        });
-    }
-    // A new request on the same curve starts from what the first one measured; one on another curve
-    // does not.
-    let mut next = Chooser::new(curve).with_time_spent(1e9);
-    assert!(
-        (next.cost_factor(4) - 0.6).abs() < 0.05,
-        "{}",
-        next.cost_factor(4)
-    );
-    assert_eq!(next.choose(64, &offer), Choice::Offer(0));
-    assert_eq!(
-        chooser(|_, r| if r == 1 { 1.0 } else { 2.0 }).choose(64, &offer),
-        Choice::Plain
-    );
-}

@@ -6,12 +6,10 @@
 //! between the timed ones (attention grows with the cache, so a block's price relative to one row moves as
 //! the answer grows).
 
-use super::cost_correction::CostCorrection;
 use crate::model::{BlockMask, KvCache, SequenceBlock, Transformer};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor};
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Most rows of one vocabulary projection while verifying: the visited node and what it may need next.
@@ -41,9 +39,6 @@ pub struct CostCurve {
     /// One more lm_head pass over a few rows: the verifier pays it per accepted level beyond those the
     /// first projection fetched ahead.
     pub extra_logits_seconds: f64,
-    /// What the steps priced by this curve took, shared by every holder of it (not stored).
-    #[serde(skip)]
-    pub correction: Arc<CostCorrection>,
 }
 
 /// The runs a curve was made from, kept with it so that a timing cut short by its budget is topped up
@@ -79,7 +74,6 @@ impl CostCurve {
             rows,
             seconds,
             extra_logits_seconds,
-            correction: Arc::default(),
         }
     }
 
@@ -162,7 +156,6 @@ impl CostCurve {
             rows,
             seconds,
             extra_logits_seconds: median(&mut samples.extra.clone()),
-            correction: Arc::default(),
         };
         Ok((curve, samples))
     }
@@ -492,7 +485,6 @@ mod tests {
             rows: vec![1, 2],
             seconds: vec![vec![1.0, 3.0]],
             extra_logits_seconds: 0.0,
-            correction: Arc::default(),
         };
         assert_eq!(one.cost(3, 5000), 5.0);
     }

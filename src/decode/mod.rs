@@ -11,7 +11,6 @@ pub mod auto;
 pub mod batch;
 pub mod budget;
 pub mod cost_cache;
-pub mod cost_correction;
 pub mod cost_curve;
 pub mod drafters;
 pub mod generate;
