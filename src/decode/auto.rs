@@ -209,10 +209,15 @@ impl Chooser {
     /// Whether some offer beats plain decoding after `context` cached tokens and may be sent (nothing is
     /// chosen or counted): a drafter asks before paying for what only a speculative step would use.
     pub fn would_speculate(&self, context: usize, offers: &[Offer]) -> bool {
-        let bar = self.rate(Offer { rows: 1, tokens: 1.0 }, context) * (1.0 + OFFER_MARGIN);
+        let bar = self.plain_bar(context);
         offers
             .iter()
             .any(|&o| self.rate(o, context) > bar && self.offer_allowed(o.rows, context))
+    }
+
+    /// The rate an offer must beat after `context` cached tokens: plain decoding's, plus [`OFFER_MARGIN`].
+    pub fn plain_bar(&self, context: usize) -> f64 {
+        self.rate(Offer { rows: 1, tokens: 1.0 }, context) * (1.0 + OFFER_MARGIN)
     }
 
     /// Whether an offer of `rows` may be sent after `context` cached tokens: trusted to the drafter's
@@ -339,8 +344,7 @@ impl Chooser {
             return Choice::Plain;
         }
         let plain_seconds = self.cost(1, context);
-        let bar = self.rate(Offer { rows: 1, tokens: 1.0 }, context) * (1.0 + OFFER_MARGIN);
-        let mut best = (bar, None);
+        let mut best = (self.plain_bar(context), None);
         for (i, &o) in offers.iter().enumerate() {
             let r = self.rate(o, context);
             if r > best.0 * (1.0 + 1e-9) && self.offer_allowed(o.rows, context) {

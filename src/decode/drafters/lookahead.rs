@@ -43,7 +43,7 @@
 
 use super::ngram::{insert_chain, NgramPool};
 use crate::decode::auto::{
-    best_first, chain_rate, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate, OFFER_MARGIN,
+    best_first, chain_rate, prefix_offers, subtree, tried_nodes, Choice, Chooser, Offer, Rate,
 };
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
@@ -172,8 +172,8 @@ impl LookaheadAuto {
         let best = AUTO_WINDOWS
             .into_iter()
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)));
-        best.filter(|&w| rate(w) > rate(0) * (1.0 + OFFER_MARGIN))
-            .unwrap_or(0)
+        let bar = self.chooser.plain_bar(context);
+        best.filter(|&w| rate(w) > bar).unwrap_or(0)
     }
 
     /// Expected tokens a window of `w` rows brings within the answer that is left: its n-grams (of
