@@ -45,6 +45,9 @@ enum Command {
     /// An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models, /health).
     #[command(allow_negative_numbers = true)]
     Serve(crate::serve::ServeArgs),
+    /// Answer a file of requests (OpenAI's batch input, or one prompt a line) into OpenAI's batch output.
+    #[command(allow_negative_numbers = true)]
+    RunBatch(crate::serve::RunBatchArgs),
 }
 
 /// The flags of one-shot generation and of the conversation.
@@ -83,8 +86,7 @@ pub fn main() -> i32 {
                 let _ = e.print();
                 return 0;
             }
-            let text = e.to_string();
-            eprintln!("{}", text.lines().next().unwrap_or("invalid arguments"));
+            eprintln!("{}", one_line(&e.to_string()));
             return 2;
         }
     };
@@ -98,6 +100,7 @@ pub fn main() -> i32 {
         Some(Command::Cost(args)) => bench::run_cost(&args),
         Some(Command::ShapeGguf(args)) => bench::run_shape_gguf(args),
         Some(Command::Serve(args)) => crate::serve::run(&args),
+        Some(Command::RunBatch(args)) => crate::serve::run_batch::run(&args),
         None => oneshot::run_generate(&cli.generate),
     };
     match result {
@@ -111,13 +114,26 @@ pub fn main() -> i32 {
     }
 }
 
+/// clap's message on one line: its first line, with the indented lines that follow it (the names of
+/// missing arguments), up to the usage.
+fn one_line(message: &str) -> String {
+    let mut lines = message.lines();
+    let mut line = lines.next().unwrap_or("invalid arguments").trim_end().to_string();
+    for more in lines.take_while(|l| l.starts_with("  ")) {
+        line.push(' ');
+        line.push_str(more.trim());
+    }
+    line
+}
+
 /// The model flags of the command given (the default generation's where it takes none).
 fn model_args(cli: &Cli) -> &ModelArgs {
     match &cli.command {
         Some(Command::Generate(args)) => &args.model,
         Some(Command::Bench(args)) => &args.run.model,
         Some(Command::Cost(args)) => &args.model,
-        Some(Command::Serve(args)) => &args.model,
+        Some(Command::Serve(args)) => &args.answer.model,
+        Some(Command::RunBatch(args)) => &args.answer.model,
         Some(Command::ShapeGguf(_)) | None => &cli.generate.model,
     }
 }
@@ -172,6 +188,7 @@ mod tests {
             &["probespec", "cost", "-t", "3"],
             &["probespec", "bench", "-t", "3"],
             &["probespec", "serve", "-t", "3"],
+            &["probespec", "run-batch", "-t", "3", "-o", "x"],
         ] {
             let cli = Cli::try_parse_from(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
             assert_eq!(model_args(&cli).threads, Some(3), "{args:?}");

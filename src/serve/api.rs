@@ -232,13 +232,31 @@ pub fn parse_body<T: DeserializeOwned>(bytes: &[u8], endpoint: Endpoint) -> Resu
     if bytes.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::invalid("the request body is empty: send a JSON object"));
     }
-    let invalid = |e: serde_json::Error| ApiError::invalid(format!("invalid request body: {e}"));
-    let body: Value = serde_json::from_slice(bytes).map_err(invalid)?;
+    let body: Value =
+        serde_json::from_slice(bytes).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))?;
+    parse_value(body, endpoint)
+}
+
+/// [`parse_body`] of a body already read as JSON.
+pub fn parse_value<T: DeserializeOwned>(body: Value, endpoint: Endpoint) -> Result<T, ApiError> {
     let Value::Object(fields) = &body else {
         return Err(ApiError::invalid("invalid request body: send a JSON object"));
     };
     fields::check(fields, endpoint)?;
-    serde_json::from_value(body).map_err(invalid)
+    serde_json::from_value(body).map_err(|e| ApiError::invalid(format!("invalid request body: {e}")))
+}
+
+/// A body of `endpoint`, read as JSON -> its job.
+pub fn endpoint_job(
+    body: Value,
+    endpoint: Endpoint,
+    session: &Session,
+    d: &Defaults,
+) -> Result<Parsed, ApiError> {
+    match endpoint {
+        Endpoint::Chat => chat_job(&parse_value(body, endpoint)?, session, d),
+        Endpoint::Completion => completion_job(&parse_value(body, endpoint)?, session, d),
+    }
 }
 
 /// The chat request's messages as the chat template reads them.

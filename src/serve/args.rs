@@ -1,8 +1,9 @@
-//! `probespec serve`'s flags: the model, numerics and method flags of one-shot generation (the defaults of
-//! every request), the address, the access key, the queue's size, and the limits that keep one client
-//! from holding the server (connections, timeouts, the largest block and answer a request may ask for).
+//! The flags of `probespec serve` and `run-batch`. Both take [`AnswerArgs`]: the model, numerics and method
+//! flags of one-shot generation (the defaults of every request) and the limits on what a request may ask
+//! (the largest block and answer). The server adds the address, the access key, the queue's size and the
+//! limits that keep one client from holding it (connections, timeouts).
 
-use crate::decode::sampling::SamplingParams;
+use super::api::{over_block_cap, Defaults};
 use crate::flags::{MethodArgs, ModelArgs, SamplingArgs};
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
@@ -24,10 +25,6 @@ pub struct ServeArgs {
     /// Requests that may wait while others decode; one more is answered 503 with Retry-After.
     #[arg(long, default_value_t = 16)]
     pub queue: usize,
-    /// Requests decoded together, each step one forward pass over all of them (every answer the same as
-    /// alone); 1 decodes one at a time, reusing the previous request's cached prompt.
-    #[arg(long, default_value_t = 1)]
-    pub parallel: usize,
     /// Largest request body, in bytes.
     #[arg(long, default_value_t = 4 << 20)]
     pub max_body: usize,
@@ -41,6 +38,18 @@ pub struct ServeArgs {
     /// Seconds a request has to send its whole body (408 after).
     #[arg(long, default_value_t = 30)]
     pub body_timeout: u64,
+    /// Requests decoded together, each step one forward pass over all of them (every answer the same as
+    /// alone); 1 decodes one at a time, reusing the previous request's cached prompt.
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
+    #[command(flatten)]
+    pub answer: AnswerArgs,
+}
+
+/// The flags that say how a request is answered, which `serve` and `run-batch` share: the model, the
+/// method and sampling defaults, and the limits on what a request may ask.
+#[derive(Args, Debug, Clone)]
+pub struct AnswerArgs {
     /// The largest block (tokens per forward pass, probes included) a step may send: a request asking for
     /// more with `probespec.bc`, `draft_len` or the lookahead sizes gets a 400 that says this cap.
     #[arg(long, default_value_t = 64)]
@@ -85,8 +94,8 @@ pub enum ReasoningFormat {
 }
 
 impl ServeArgs {
-    /// The sampling defaults, checked as one-shot generation checks its flags, and the queue's size.
-    pub fn sampling(&self) -> Result<SamplingParams> {
+    /// The server's flags checked, and the defaults of every request.
+    pub fn defaults(&self) -> Result<Defaults> {
         if self.queue == 0 || self.parallel == 0 {
             bail!("--queue and --parallel must be at least 1");
         }
@@ -96,10 +105,7 @@ impl ServeArgs {
         if self.header_timeout == 0 || self.body_timeout == 0 {
             bail!("--header-timeout and --body-timeout must be at least 1 second");
         }
-        if self.max_bc == 0 || self.max_tokens == Some(0) {
-            bail!("--max-bc and --max-tokens must be at least 1");
-        }
-        self.sampling.params()
+        self.answer.defaults()
     }
 
     /// The key to require: the flag, else the environment variable; an empty key is an error.
@@ -112,5 +118,38 @@ impl ServeArgs {
             Some(k) if k.is_empty() => bail!("the API key is empty (--api-key or ${API_KEY_ENV})"),
             k => Ok(k),
         }
+    }
+}
+
+impl AnswerArgs {
+    /// The defaults of every request, checked as one-shot generation checks its flags: the sampling, the
+    /// method, and its blocks within `--max-bc`.
+    pub fn defaults(&self) -> Result<Defaults> {
+        if self.max_bc == 0 || self.max_tokens == Some(0) {
+            bail!("--max-bc and --max-tokens must be at least 1");
+        }
+        let sampling = self.sampling.params()?;
+        self.method.method()?.validate()?;
+        if let Some((flag, rows)) = over_block_cap(&self.method, self.max_bc) {
+            bail!(
+                "--{} asks for blocks of {rows} rows, above --max-bc {}",
+                flag.replace('_', "-"),
+                self.max_bc
+            );
+        }
+        Ok(Defaults {
+            method: self.method.clone(),
+            sampling,
+            max_new_tokens: self.sampling.max_new_tokens,
+            max_bc: self.max_bc,
+            max_tokens: self.max_tokens,
+            method_overrides: !self.no_method_overrides,
+            contents_as_text: self.special_tokens_in_content == SpecialTokens::Text,
+        })
+    }
+
+    /// Whether a chat answer's thinking goes apart, in `reasoning_content`.
+    pub fn thinking_apart(&self) -> bool {
+        self.reasoning_format == ReasoningFormat::Deepseek
     }
 }

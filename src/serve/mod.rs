@@ -17,8 +17,10 @@
 //! (stop strings), [`respond`] (answers and streamed chunks), [`reasoning`] (a chat answer's thinking
 //! apart from its reply), [`error`] (OpenAI-shaped errors).
 
+pub mod answer;
 pub mod api;
 pub mod args;
+pub mod batch_file;
 pub mod error;
 pub mod fields;
 pub mod listen;
@@ -26,10 +28,12 @@ pub mod queue;
 pub mod reasoning;
 pub mod respond;
 pub mod routes;
+pub mod run_batch;
 pub mod stop;
 pub mod worker;
 
 pub use args::ServeArgs;
+pub use run_batch::RunBatchArgs;
 
 use crate::model::load::{default_model_path, ModelSource};
 use crate::session::Session;
@@ -39,18 +43,10 @@ use std::time::Duration;
 
 /// Loads the model, binds, and serves until Ctrl-C.
 pub fn run(a: &ServeArgs) -> Result<()> {
-    let sampling = a.sampling()?;
-    let method = a.method.method()?;
-    method.validate()?;
-    if let Some((flag, rows)) = api::over_block_cap(&a.method, a.max_bc) {
-        anyhow::bail!(
-            "--{} asks for blocks of {rows} rows, above --max-bc {}",
-            flag.replace('_', "-"),
-            a.max_bc
-        );
-    }
+    let defaults = a.defaults()?;
+    let method = a.answer.method.method()?;
     let api_key = a.api_key()?;
-    let session = Arc::new(Session::load(&a.model.options())?);
+    let session = Arc::new(Session::load(&a.answer.model.options())?);
     let (queue, jobs) = queue::Queue::new(a.queue);
     worker::start(session.clone(), jobs, queue.counters.clone(), a.parallel)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -65,21 +61,13 @@ pub fn run(a: &ServeArgs) -> Result<()> {
         let state = routes::AppState {
             queue,
             session: session.clone(),
-            defaults: api::Defaults {
-                method: a.method.clone(),
-                sampling,
-                max_new_tokens: a.sampling.max_new_tokens,
-                max_bc: a.max_bc,
-                max_tokens: a.max_tokens,
-                method_overrides: !a.no_method_overrides,
-                contents_as_text: a.special_tokens_in_content == args::SpecialTokens::Text,
-            },
-            model_id: model_id(a.model.model.as_deref()),
+            defaults,
+            model_id: model_id(a.answer.model.model.as_deref()),
             api_key,
             started: respond::unix_now(),
             max_body: a.max_body,
             body_timeout: Duration::from_secs(a.body_timeout),
-            reasoning: a.reasoning_format == args::ReasoningFormat::Deepseek,
+            reasoning: a.answer.thinking_apart(),
         };
         eprintln!(
             "probespec serve: {} | {} | {} | listening on http://{addr}",

@@ -2,16 +2,15 @@
 //! and runs it through the library's generate loop (the one-shot path), reusing the cache of the previous
 //! prompt and answer. With `--parallel N` it steps up to N jobs as one [`Batch`]: jobs join between steps
 //! and leave when done, each with its own cache, and every answer is still the one-shot path's.
-//! Committed tokens become text (streaming detokenisation, stop strings) and go to the job's handler; a
-//! handler that is gone (the client left) halts its generation at its next token.
+//! Committed tokens become text ([`super::answer`]) and go to the job's handler; a handler that is gone
+//! (the client left) halts its generation at its next token.
 
+use super::answer::{Answer, TextSink};
 use super::queue::{Counters, Event, Job, Outcome};
-use super::stop::StopMatcher;
 use crate::conversation::PrefixCache;
 use crate::decode::batch::{Batch, SequenceId};
-use crate::decode::generate::{FinishReason, Generation, Halt};
+use crate::decode::generate::Halt;
 use crate::session::Session;
-use crate::tokenizer::StreamDecoder;
 use anyhow::Result;
 use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -131,7 +130,7 @@ fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, para
             }));
             match joined {
                 Ok(Ok(id)) => {
-                    let answer = Answer::new(session, &job);
+                    let answer = Answer::new(session, spec, TextSink::Handler(job.events.clone()));
                     active.insert(
                         id,
                         Active {
@@ -190,7 +189,7 @@ fn run_job(session: &Session, cache: Option<&mut PrefixCache>, job: &Job) -> Res
     let queue_seconds = job.enqueued.elapsed().as_secs_f64();
     let spec = &job.spec;
     let mut drafter = spec.method.drafter(spec.params.sampling.seed)?;
-    let mut answer = Answer::new(session, job);
+    let mut answer = Answer::new(session, spec, TextSink::Handler(job.events.clone()));
     let mut on_token = |t: u32| answer.push(t);
     let (generation, cached_tokens) = match cache {
         Some(c) => c.generate(
@@ -212,107 +211,4 @@ fn run_job(session: &Session, cache: Option<&mut PrefixCache>, job: &Job) -> Res
         ),
     };
     answer.finish(generation, cached_tokens, queue_seconds)
-}
-
-/// A job's answer as its tokens come: streaming detokenisation, stop strings, the text sent so far.
-struct Answer<'a> {
-    /// The job's handler.
-    events: UnboundedSender<Event>,
-    prompt_tokens: usize,
-    max_new_tokens: usize,
-    stream: StreamDecoder<'a>,
-    stops: StopMatcher,
-    text: String,
-    /// The client left.
-    gone: bool,
-    /// A stop string was seen.
-    stopped: bool,
-}
-
-impl<'a> Answer<'a> {
-    fn new(session: &'a Session, job: &Job) -> Self {
-        Answer {
-            events: job.events.clone(),
-            prompt_tokens: job.spec.prompt.len(),
-            max_new_tokens: job.spec.params.max_new_tokens,
-            stream: StreamDecoder::new(&session.tokenizer),
-            stops: StopMatcher::new(job.spec.stop.clone()),
-            text: String::new(),
-            gone: false,
-            stopped: false,
-        }
-    }
-
-    /// Sends `piece` to the client; false when it is gone.
-    fn send(&mut self, piece: String) -> bool {
-        if piece.is_empty() {
-            return !self.events.is_closed();
-        }
-        self.text.push_str(&piece);
-        self.events.send(Event::Text(piece)).is_ok()
-    }
-
-    /// A committed token: its text goes to the client, unless a stop string ends it there; [`Halt`]
-    /// when the answer is complete or its client gone.
-    fn push(&mut self, t: u32) -> Result<()> {
-        if let Some(piece) = self.stream.push(t)? {
-            let passed = self.stops.push(&piece);
-            self.stopped = passed.stopped;
-            if !self.send(passed.text) {
-                self.gone = true;
-            }
-        } else if self.events.is_closed() {
-            self.gone = true;
-        }
-        if self.gone || self.stopped {
-            return Err(Halt.into());
-        }
-        Ok(())
-    }
-
-    /// The outcome of the finished `generation`, the text held back sent; `None` when the client left.
-    fn finish(
-        mut self,
-        generation: Generation,
-        cached_tokens: usize,
-        queue_seconds: f64,
-    ) -> Result<Option<Outcome>> {
-        if self.gone {
-            eprintln!(
-                "probespec serve: the client left after {} of at most {} tokens: generation stopped",
-                generation.tokens.len(),
-                self.max_new_tokens
-            );
-            return Ok(None);
-        }
-        if !self.stopped {
-            let mut tail = match self.stream.finish()? {
-                Some(p) => {
-                    let p = self.stops.push(&p);
-                    self.stopped = p.stopped;
-                    p.text
-                }
-                None => String::new(),
-            };
-            if !self.stopped {
-                tail.push_str(&self.stops.finish());
-            }
-            if !self.send(tail) {
-                return Ok(None);
-            }
-        }
-        let finish_reason = match generation.finish_reason {
-            FinishReason::StopToken | FinishReason::Halted => "stop",
-            FinishReason::MaxNewTokens | FinishReason::ContextWindow => "length",
-        };
-        Ok(Some(Outcome {
-            text: self.text,
-            tokens: generation.tokens,
-            finish_reason: if self.stopped { "stop" } else { finish_reason },
-            stats: generation.stats,
-            prompt_tokens: self.prompt_tokens,
-            cached_tokens,
-            queue_seconds,
-        }))
-    }
 }
