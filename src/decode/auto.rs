@@ -294,8 +294,12 @@ impl Chooser {
                 } else {
                     self.lost -= value;
                 }
+                // Explorations are charged what they took, as measured: the budget is a share of the
+                // time spent. A step's noise cancels over many; a correction learnt from a request's
+                // few explorations would not (the curve priced them low on this CPU).
                 if p.promised.is_none() {
-                    self.explored += (seconds - p.plain_seconds).max(0.0);
+                    let took = if measured { step.seconds } else { seconds };
+                    self.explored = (self.explored + took - p.plain_seconds).max(0.0);
                 }
             }
         }

@@ -96,6 +96,33 @@ fn exploring_stays_within_its_budget() {
 }
 
 #[test]
+fn explorations_are_charged_the_time_they_took() {
+    // The curve prices the 2-row exploring block as a plain step, but each one takes two: within the
+    // 1% budget, about one exploration per hundred plain steps, where the price alone would send one
+    // every 64 steps.
+    let never_pays = [Offer { rows: 4, tokens: 1.3 }];
+    let timed = |committed: &'static [u32], seconds: f64| Step {
+        seconds,
+        ..step(committed)
+    };
+    let run = |exploring_takes: f64| {
+        let mut c = fresh(|_, r| if r <= 2 { 1.0 } else { r as f64 });
+        let mut explored = 0;
+        for _ in 0..2000 {
+            let explore = c.choose(100, &never_pays) == Choice::Explore;
+            explored += explore as usize;
+            c.record(&timed(&[1], if explore { exploring_takes } else { 1.0 }));
+        }
+        (explored, c.exploration_cost())
+    };
+    let (free, _) = run(1.0);
+    let (dear, (charged, spent)) = run(2.0);
+    assert!(free >= 30, "{free}");
+    assert!((15..=21).contains(&dear), "{dear} explorations");
+    assert!(charged <= EXPLORE_SHARE * spent + 1.0, "{charged} of {spent}");
+}
+
+#[test]
 fn time_saved_pays_for_more_exploring() {
     // Blocks of r rows cost 1 + (r - 1) / 2 plain steps; the exploring block is 4 rows, 1.5 steps more.
     let curve = |_: usize, r: usize| if r == 1 { 1.0 } else { 1.0 + 0.5 * (r as f64 - 1.0) };
