@@ -258,6 +258,19 @@ fn resume_keeps_finished_records_and_redoes_the_rest() {
     let o = f.bench(&out, &["--max-new-tokens", "8"]);
     assert!(!o.status.success());
     assert!(o.stderr.contains("max_new_tokens"));
+
+    // So are records of another build, when there is something left to run.
+    let run_json = out.join("run.json");
+    let mut run: Value = serde_json::from_str(&std::fs::read_to_string(&run_json).unwrap()).unwrap();
+    for i in run["invocations"].as_array_mut().unwrap() {
+        i["git_commit"] = "0000000".into();
+    }
+    std::fs::write(&run_json, run.to_string()).unwrap();
+    f.bench(&out, &[]).ok();
+    std::fs::write(out.join("records.jsonl"), again[..2].join("\n") + "\n").unwrap();
+    f.bench(&out, &[])
+        .errors_with("holds records made by commit 0000000");
+    assert_eq!(record_lines(&out), again[..2]);
 }
 
 #[test]

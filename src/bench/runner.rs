@@ -390,6 +390,21 @@ pub fn run_bench(a: &BenchOptions) -> Result<()> {
         repeats: a.repeats,
         shard: run.settings.shard.clone(),
     };
+    // Records of another build are not resumed: the run would mix two builds' speeds (and choices).
+    if let Some(prev) = run
+        .invocations
+        .iter()
+        .find(|i| i.git_commit != invocation.git_commit)
+    {
+        if total_turns > 0 && !records.is_empty() {
+            bail!(
+                "{} holds records made by commit {}, and this binary is {}: measure this build in a new --out",
+                a.out.display(),
+                prev.git_commit,
+                invocation.git_commit
+            );
+        }
+    }
     if let Some(prev) = run.invocations.last() {
         if total_turns > 0 && (prev.cpu != invocation.cpu || prev.device != invocation.device) {
             eprintln!(
