@@ -1,11 +1,12 @@
-//! `probespec serve`: an OpenAI-compatible HTTP server over one loaded model. Every answer is the one-shot
-//! CLI's answer for the same messages and settings (the same template, generate loop and sampler), sped up
-//! by the method of the server's flags or of the request's `probespec` field.
+//! The OpenAI API over one loaded model: `probespec serve`, an HTTP server, and `probespec run-batch`, the
+//! same requests read from a file ([`run_batch`]). Every answer is the one-shot CLI's answer for the same
+//! messages and settings (the same template, generate loop and sampler), sped up by the method of the
+//! flags or of the request's `probespec` field.
 //!
-//! The model is loaded once; one decoding thread owns the KV cache and takes requests in order from a
-//! bounded queue (full: 503). Requests are not batched together: concurrency gives queueing, not more
-//! throughput. A request whose prompt starts with the previous prompt and answer (a multi-turn client)
-//! prefills only the new part.
+//! The model is loaded once; one decoding thread takes requests from a bounded queue (full: 503). With
+//! `--parallel 1` it owns one KV cache and answers one request at a time, and a request whose prompt
+//! starts with the previous prompt and answer (a multi-turn client) prefills only the new part; with
+//! `--parallel N` up to N requests decode together, one forward pass a step.
 //!
 //! One client cannot hold the server: connections are bounded and time out (`listen`), a body has a size
 //! and a time limit, a prompt that cannot fit the context is refused before it is tokenised, tokenising
@@ -13,9 +14,10 @@
 //!
 //! Modules: [`args`] (flags), [`listen`] (the accept loop, connection limits), [`routes`] (HTTP routes,
 //! API key, bodies), [`fields`] (which request fields are read, ignored or refused), [`api`] (request
-//! bodies -> jobs), [`queue`] (the queue, events, counters), [`worker`] (the decoding thread), [`stop`]
-//! (stop strings), [`respond`] (answers and streamed chunks), [`reasoning`] (a chat answer's thinking
-//! apart from its reply), [`error`] (OpenAI-shaped errors).
+//! bodies -> jobs), [`queue`] (the queue, events, counters), [`worker`] (the decoding thread), [`answer`]
+//! (a request's text from its tokens), [`stop`] (stop strings), [`respond`] (answers and streamed
+//! chunks), [`reasoning`] (a chat answer's thinking apart from its reply), [`error`] (OpenAI-shaped
+//! errors), [`batch_file`] and [`run_batch`] (`run-batch`'s files and loop).
 
 pub mod answer;
 pub mod api;
