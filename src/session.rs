@@ -225,6 +225,25 @@ impl Session {
     }
 }
 
+/// The text of file `path`, or of stdin when `path` is "-"; an error naming it when it cannot be read or
+/// is not UTF-8.
+pub fn read_text(path: &str) -> Result<String> {
+    let name = if path == "-" { "stdin" } else { path };
+    let bytes = if path == "-" {
+        let mut bytes = Vec::new();
+        std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes).map(|_| bytes)
+    } else {
+        std::fs::read(path)
+    };
+    let bytes = bytes.with_context(|| format!("cannot read {name}"))?;
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{name} is not valid UTF-8 (byte {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
 /// A prompt must hold more than white space (checked before anything slow, such as loading a model).
 pub fn check_prompt_text(text: &str) -> Result<()> {
     if text.trim().is_empty() {

@@ -6,22 +6,14 @@ use super::GenerateArgs;
 use crate::decode::generate::GenerateParams;
 use crate::session::Session;
 use crate::tokenizer::StreamDecoder;
-use anyhow::{Context, Result};
-use std::io::{Read, Write};
+use anyhow::Result;
+use std::io::Write;
 
 /// The prompt text: the argument, or stdin when absent or "-".
 fn read_prompt(arg: Option<&str>) -> Result<String> {
     match arg {
         Some(p) if p != "-" => Ok(p.to_string()),
-        _ => {
-            let mut buf = Vec::new();
-            std::io::stdin()
-                .read_to_end(&mut buf)
-                .context("cannot read stdin")?;
-            String::from_utf8(buf).map_err(|e| {
-                anyhow::anyhow!("stdin is not valid UTF-8 (byte {})", e.utf8_error().valid_up_to())
-            })
-        }
+        _ => crate::session::read_text("-"),
     }
 }
 

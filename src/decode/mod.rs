@@ -18,6 +18,7 @@ pub mod kind;
 pub mod layout;
 pub mod method;
 pub mod sampling;
+pub mod scheduler;
 pub mod sequence;
 pub mod stats;
 pub mod step;

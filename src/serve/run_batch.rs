@@ -16,15 +16,15 @@ use super::batch_file::{self, Entry, InputFormat};
 use super::error::ApiError;
 use super::fields::Endpoint;
 use super::respond::Envelope;
-use crate::decode::batch::{Batch, SequenceId};
-use crate::decode::generate::Halt;
+use crate::decode::generate::Generation;
+use crate::decode::scheduler::{self, Jobs, Next, Request};
 use crate::session::Session;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde_json::{json, Value};
 use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -78,7 +78,7 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
     if a.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
-    let text = read_input(&a.input)?;
+    let text = crate::session::read_text(&a.input)?;
     let entries = batch_file::read_requests(&text, a.format, |p| {
         prompt_request(p, a.system.as_deref(), !a.no_chat_template)
     });
@@ -120,14 +120,6 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
         .append(true)
         .open(&a.output)
         .with_context(|| format!("cannot write {}", a.output.display()))?;
-    let mut runner = Runner {
-        session: &session,
-        defaults: &defaults,
-        model_id: super::model_id(a.answer.model.model.as_deref()),
-        thinking_apart: a.answer.thinking_apart(),
-        failed: 0,
-        tokens: 0,
-    };
     let bar = ProgressBar::with_draw_target(Some(todo.len() as u64), ProgressDrawTarget::stderr());
     bar.set_style(
         ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} requests, ETA {eta} | {msg}")
@@ -136,7 +128,7 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
     );
     let started = Instant::now();
     let mut written = 0;
-    runner.answer_all(&entries, &todo, a.parallel, &mut |i, line| {
+    let mut write_line = |i: usize, line: String| -> Result<()> {
         lines[i] = Some(line);
         // Write the answers that are next in input order.
         while let Some(line) = todo.get(written).and_then(|&j| lines[j].as_ref()) {
@@ -145,7 +137,21 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
             bar.inc(1);
         }
         Ok(())
-    })?;
+    };
+    let mut runner = Runner {
+        session: &session,
+        defaults: &defaults,
+        model_id: super::model_id(a.answer.model.model.as_deref()),
+        thinking_apart: a.answer.thinking_apart(),
+        entries: &entries,
+        todo: todo.iter(),
+        done: &mut write_line,
+        unwritten: None,
+        failed: 0,
+        tokens: 0,
+    };
+    runner.answer_all(a.parallel)?;
+    let (failed, tokens) = (runner.failed, runner.tokens);
     bar.finish_and_clear();
     drop(out);
     if !kept.is_empty() {
@@ -154,17 +160,17 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
     let seconds = started.elapsed().as_secs_f64();
     eprintln!(
         "run-batch: {} requests answered, {} failed, {} kept from before; {} tokens in {seconds:.1} s ({:.1} tok/s) -> {}",
-        todo.len() - runner.failed,
-        runner.failed,
+        todo.len() - failed,
+        failed,
         kept.len(),
-        runner.tokens,
-        runner.tokens as f64 / seconds.max(1e-9),
+        tokens,
+        tokens as f64 / seconds.max(1e-9),
         a.output.display()
     );
-    if runner.failed > 0 {
+    if failed > 0 {
         bail!(
             "{} of {} requests failed: their lines in {} say why",
-            runner.failed,
+            failed,
             entries.len(),
             a.output.display()
         );
@@ -178,24 +184,6 @@ fn input_name(input: &str) -> String {
     } else {
         input.into()
     }
-}
-
-fn read_input(input: &str) -> Result<String> {
-    let mut bytes = Vec::new();
-    if input == "-" {
-        std::io::stdin()
-            .read_to_end(&mut bytes)
-            .context("cannot read stdin")?;
-    } else {
-        bytes = std::fs::read(input).with_context(|| format!("cannot read {input}"))?;
-    }
-    String::from_utf8(bytes).map_err(|e| {
-        anyhow::anyhow!(
-            "{} is not valid UTF-8 (byte {})",
-            input_name(input),
-            e.utf8_error().valid_up_to()
-        )
-    })
 }
 
 /// The output line id of request `index` (from 0).
@@ -226,12 +214,19 @@ fn rewrite<'a>(path: &Path, lines: impl Iterator<Item = &'a String>) -> Result<(
     write().with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// What answering the requests shares.
-struct Runner<'s> {
+/// The file's requests as the scheduler takes them: what answering them shares.
+struct Runner<'s, 'r> {
     session: &'s Session,
     defaults: &'s Defaults,
     model_id: String,
     thinking_apart: bool,
+    entries: &'r [Entry],
+    /// The entries still to answer.
+    todo: std::slice::Iter<'r, usize>,
+    /// Gets each request's output line (by entry), in the order they end.
+    done: &'r mut dyn FnMut(usize, String) -> Result<()>,
+    /// Why a line could not be written from [`Jobs::next`], which cannot fail.
+    unwritten: Option<anyhow::Error>,
     failed: usize,
     tokens: usize,
 }
@@ -243,104 +238,92 @@ struct Active<'s> {
     envelope: Envelope,
 }
 
-impl<'s> Runner<'s> {
-    /// Answers `entries[todo]`, up to `parallel` together; `done` gets each one's output line (by
-    /// entry), in the order they end.
-    fn answer_all(
-        &mut self,
-        entries: &[Entry],
-        todo: &[usize],
-        parallel: usize,
-        done: &mut dyn FnMut(usize, String) -> Result<()>,
-    ) -> Result<()> {
-        let mut batch = Batch::new(&self.session.model);
-        let mut active: HashMap<SequenceId, Active> = HashMap::new();
-        let mut next = todo.iter();
-        loop {
-            while batch.len() < parallel {
-                let Some(&i) = next.next() else { break };
-                match self.join(&mut batch, &entries[i]) {
-                    Ok((id, answer, envelope)) => {
-                        active.insert(
-                            id,
-                            Active {
-                                index: i,
-                                answer,
-                                envelope,
-                            },
-                        );
+impl<'s> Jobs for Runner<'s, '_> {
+    type Job = Active<'s>;
+
+    /// The next request the server would take; a request it would refuse gets its error line here.
+    fn next(&mut self, _wait: bool) -> Next<Active<'s>> {
+        while let Some(&i) = self.todo.next() {
+            match self.start(i) {
+                Ok((active, request)) => return Next::Job(active, request),
+                Err(error) => {
+                    let line = self.failure(i, error);
+                    if let Err(e) = (self.done)(i, line) {
+                        self.unwritten = Some(e);
+                        return Next::Closed;
                     }
-                    Err(error) => done(i, self.failure(i, &entries[i], error))?,
                 }
             }
-            if batch.is_empty() {
-                return Ok(());
+        }
+        Next::Closed
+    }
+
+    fn token(&mut self, a: &mut Active<'s>, token: u32) -> Result<()> {
+        a.answer.push(token)
+    }
+
+    fn end(&mut self, a: Active<'s>, generation: Result<Generation>) -> Result<()> {
+        let line = match generation.and_then(|g| a.answer.finish(g, 0, 0.0)) {
+            Ok(Some(o)) => {
+                self.tokens += o.tokens.len();
+                let id = custom_id(&self.entries[a.index]).unwrap_or_default();
+                batch_file::answer_line(id, &line_id(a.index), a.envelope.complete(&o)).to_string()
             }
-            let step = batch.step(&mut |id, t| match active.get_mut(&id) {
-                Some(a) => a.answer.push(t),
-                None => Err(Halt.into()),
-            });
-            let ended = match step {
-                Ok(ended) => ended,
-                // A step that fails fails every request in it; the batch starts afresh.
-                Err(e) => {
-                    for (_, a) in active.drain() {
-                        let error = ApiError::internal(format!("{e:#}"));
-                        done(a.index, self.failure(a.index, &entries[a.index], error))?;
-                    }
-                    batch = Batch::new(&self.session.model);
-                    continue;
-                }
-            };
-            for (id, generation) in ended {
-                let Some(a) = active.remove(&id) else { continue };
-                let entry = &entries[a.index];
-                let outcome = generation.and_then(|g| a.answer.finish(g, 0, 0.0));
-                let line = match outcome {
-                    Ok(Some(o)) => {
-                        self.tokens += o.tokens.len();
-                        let id = custom_id(entry).unwrap_or_default();
-                        batch_file::answer_line(id, &line_id(a.index), a.envelope.complete(&o)).to_string()
-                    }
-                    Ok(None) => self.failure(a.index, entry, ApiError::internal("the answer was lost")),
-                    Err(e) => self.failure(a.index, entry, ApiError::internal(format!("{e:#}"))),
-                };
-                done(a.index, line)?;
-            }
+            Ok(None) => self.failure(a.index, ApiError::internal("the answer was lost")),
+            Err(e) => self.failure(a.index, ApiError::internal(format!("{e:#}"))),
+        };
+        (self.done)(a.index, line)
+    }
+}
+
+impl<'s> Runner<'s, '_> {
+    /// Answers every request to do, up to `parallel` together.
+    fn answer_all(&mut self, parallel: usize) -> Result<()> {
+        scheduler::run(&self.session.model, parallel, self)?;
+        match self.unwritten.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
-    /// Reads `entry` as the server reads a body and joins it to the batch.
-    fn join(
-        &self,
-        batch: &mut Batch<'s>,
-        entry: &Entry,
-    ) -> Result<(SequenceId, Answer<'s>, Envelope), ApiError> {
-        let request = entry.as_ref().map_err(|e| ApiError::invalid(e.message.clone()))?;
+    /// Reads entry `i` as the server reads a body: its answer as it will come, and what it decodes.
+    fn start(&self, i: usize) -> Result<(Active<'s>, Request), ApiError> {
+        let request = self.entries[i]
+            .as_ref()
+            .map_err(|e| ApiError::invalid(e.message.clone()))?;
         let parsed = api::endpoint_job(
             request.body.clone(),
             request.endpoint,
             self.session,
             self.defaults,
         )?;
-        let spec = &parsed.spec;
+        let spec = parsed.spec;
         let drafter = spec
             .method
             .drafter(spec.params.sampling.seed)
-            .map_err(|e| ApiError::internal(format!("{e:#}")))?;
-        let id = batch
-            .join(&spec.prompt, drafter, &spec.params)
             .map_err(|e| ApiError::internal(format!("{e:#}")))?;
         let mut envelope = Envelope::new(request.endpoint, &self.model_id);
         if self.thinking_apart && request.endpoint == Endpoint::Chat {
             envelope.thinking = Some(parsed.prompt_opens_thinking);
         }
-        Ok((id, Answer::new(self.session, spec, TextSink::Whole), envelope))
+        let answer = Answer::new(self.session, &spec, TextSink::Whole);
+        let active = Active {
+            index: i,
+            answer,
+            envelope,
+        };
+        let request = Request {
+            prompt: spec.prompt,
+            drafter,
+            params: spec.params,
+        };
+        Ok((active, request))
     }
 
-    /// The output line of `entry` (request `index`) failed with `error`.
-    fn failure(&mut self, index: usize, entry: &Entry, error: ApiError) -> String {
+    /// The output line of request `index`, failed with `error`.
+    fn failure(&mut self, index: usize, error: ApiError) -> String {
         self.failed += 1;
+        let entry = &self.entries[index];
         let status = entry.is_ok().then_some(error.status.as_u16());
         let message = match entry {
             Ok(r) => format!("custom_id '{}': {}", r.custom_id, error.message),

@@ -1,18 +1,18 @@
 //! The decoding thread. With `--parallel 1` it owns one KV cache, takes one job at a time from the queue
 //! and runs it through the library's generate loop (the one-shot path), reusing the cache of the previous
-//! prompt and answer. With `--parallel N` it steps up to N jobs as one [`Batch`]: jobs join between steps
-//! and leave when done, each with its own cache, and every answer is still the one-shot path's.
+//! prompt and answer. With `--parallel N` it hands the queue to the library's [`scheduler`], which steps
+//! up to N jobs as one batch: jobs join between steps and leave when done, each with its own cache, and
+//! every answer is still the one-shot path's.
 //! Committed tokens become text ([`super::answer`]) and go to the job's handler; a handler that is gone
 //! (the client left) halts its generation at its next token.
 
 use super::answer::{Answer, TextSink};
 use super::queue::{Counters, Event, Job, Outcome};
 use crate::conversation::PrefixCache;
-use crate::decode::batch::{Batch, SequenceId};
-use crate::decode::generate::Halt;
+use crate::decode::generate::Generation;
+use crate::decode::scheduler::{self, Jobs, Next, Request};
 use crate::session::Session;
 use anyhow::Result;
-use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, TryRecvError};
@@ -89,33 +89,35 @@ fn report(counters: &Counters, events: &UnboundedSender<Event>, result: Result<O
 }
 
 /// A job decoding in the batch.
-struct Active<'a> {
+struct Active<'s> {
     events: UnboundedSender<Event>,
-    answer: Answer<'a>,
+    answer: Answer<'s>,
     queue_seconds: f64,
 }
 
-/// Runs up to `parallel` jobs together until every submitting end is gone: waiting jobs join between
-/// steps (each prefilled alone), and each step decodes one block of every job in one forward pass.
-fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, parallel: usize) {
-    let mut batch = Batch::new(&session.model);
-    let mut active: HashMap<SequenceId, Active> = HashMap::new();
-    let mut open = true;
-    loop {
-        while open && batch.len() < parallel {
-            // Nothing decodes: wait for a job; else take only those already waiting.
-            let job = if batch.is_empty() {
-                jobs.recv().map_err(|_| TryRecvError::Disconnected)
+/// The queue's jobs as the scheduler takes them.
+struct Queued<'s> {
+    session: &'s Session,
+    jobs: Receiver<Job>,
+    counters: &'s Counters,
+}
+
+impl<'s> Jobs for Queued<'s> {
+    type Job = Active<'s>;
+
+    /// The next job whose client is still there (waiting for one when nothing decodes).
+    fn next(&mut self, wait: bool) -> Next<Active<'s>> {
+        let counters = self.counters;
+        counters.decoding.store(!wait, Ordering::SeqCst);
+        loop {
+            let job = match if wait {
+                self.jobs.recv().map_err(|_| TryRecvError::Disconnected)
             } else {
-                jobs.try_recv()
-            };
-            let job = match job {
+                self.jobs.try_recv()
+            } {
                 Ok(job) => job,
-                Err(TryRecvError::Empty) => break,
-                Err(TryRecvError::Disconnected) => {
-                    open = false;
-                    break;
-                }
+                Err(TryRecvError::Empty) => return Next::Empty,
+                Err(TryRecvError::Disconnected) => return Next::Closed,
             };
             counters.waiting.fetch_sub(1, Ordering::SeqCst);
             if job.events.is_closed() {
@@ -123,64 +125,54 @@ fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, para
                 continue;
             }
             let queue_seconds = job.enqueued.elapsed().as_secs_f64();
-            let spec = &job.spec;
-            let joined = catch_unwind(AssertUnwindSafe(|| {
-                let drafter = spec.method.drafter(spec.params.sampling.seed)?;
-                batch.join(&spec.prompt, drafter, &spec.params)
-            }));
-            match joined {
-                Ok(Ok(id)) => {
-                    let answer = Answer::new(session, spec, TextSink::Handler(job.events.clone()));
-                    active.insert(
-                        id,
-                        Active {
-                            events: job.events,
-                            answer,
-                            queue_seconds,
-                        },
-                    );
+            let spec = job.spec;
+            let drafter = match spec.method.drafter(spec.params.sampling.seed) {
+                Ok(d) => d,
+                Err(e) => {
+                    report(counters, &job.events, Err(format!("{e:#}")));
+                    continue;
                 }
-                Ok(Err(e)) => report(counters, &job.events, Err(format!("{e:#}"))),
-                Err(_) => report(counters, &job.events, Err("the prefill panicked".to_string())),
-            }
+            };
+            counters.decoding.store(true, Ordering::SeqCst);
+            let answer = Answer::new(self.session, &spec, TextSink::Handler(job.events.clone()));
+            let active = Active {
+                events: job.events,
+                answer,
+                queue_seconds,
+            };
+            let request = Request {
+                prompt: spec.prompt,
+                drafter,
+                params: spec.params,
+            };
+            return Next::Job(active, request);
         }
-        if batch.is_empty() {
-            if !open {
-                return;
-            }
-            continue;
-        }
-        counters.decoding.store(true, Ordering::SeqCst);
-        let step = catch_unwind(AssertUnwindSafe(|| {
-            batch.step(&mut |id, t| match active.get_mut(&id) {
-                Some(a) => a.answer.push(t),
-                None => Err(Halt.into()),
-            })
-        }));
-        match step {
-            Ok(Ok(ended)) => {
-                for (id, generation) in ended {
-                    let Some(a) = active.remove(&id) else { continue };
-                    let result = generation
-                        .and_then(|g| a.answer.finish(g, 0, a.queue_seconds))
-                        .map_err(|e| format!("{e:#}"));
-                    report(counters, &a.events, result);
-                }
-            }
-            // A step that fails or panics fails every job in it: the batch starts afresh.
-            failed => {
-                let why = match failed {
-                    Ok(Err(e)) => format!("{e:#}"),
-                    _ => "the generation panicked".to_string(),
-                };
-                for (_, a) in active.drain() {
-                    report(counters, &a.events, Err(why.clone()));
-                }
-                batch = Batch::new(&session.model);
-            }
-        }
-        counters.decoding.store(!batch.is_empty(), Ordering::SeqCst);
     }
+
+    fn token(&mut self, a: &mut Active<'s>, token: u32) -> Result<()> {
+        a.answer.push(token)
+    }
+
+    fn end(&mut self, a: Active<'s>, generation: Result<Generation>) -> Result<()> {
+        let result = generation
+            .and_then(|g| a.answer.finish(g, 0, a.queue_seconds))
+            .map_err(|e| format!("{e:#}"));
+        report(self.counters, &a.events, result);
+        Ok(())
+    }
+}
+
+/// Runs up to `parallel` jobs together until every submitting end is gone: waiting jobs join between
+/// steps (each prefilled alone), and each step decodes one block of every job in one forward pass.
+fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, parallel: usize) {
+    let mut queued = Queued {
+        session,
+        jobs,
+        counters,
+    };
+    // `end` never fails here.
+    let _ = scheduler::run(&session.model, parallel, &mut queued);
+    counters.decoding.store(false, Ordering::SeqCst);
 }
 
 /// One job through the one-sequence loop, reusing the previous request's cache: its answer, or `None`

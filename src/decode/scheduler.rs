@@ -1,0 +1,357 @@
+//! Continuous batching: jobs join a [`Batch`] between its steps as they come, up to a number decoded
+//! together, and leave when they end. The caller says where jobs come from and what their tokens become
+//! ([`Jobs`]); [`run`] steps them. The server's batched worker and `run-batch` are two such callers, and
+//! [`generate_all`] is the plain one: token ids in, each generation's tokens streamed and returned.
+//!
+//! A step that fails or panics fails every job in it and the batch starts afresh; a job whose prefill
+//! fails or panics fails alone. Every job's tokens are those it would get alone
+//! ([`generate`](super::generate::generate)), whatever else is in the batch.
+//!
+//! # Example
+//!
+//! ```
+//! use probespec::decode::generate::{generate, GenerateParams};
+//! use probespec::decode::method::Method;
+//! use probespec::decode::scheduler::{generate_all, Request};
+//! # use candle_core::{DType, Device};
+//! # use probespec::model::{synthetic::random_model, ModelConfig};
+//! # fn main() -> anyhow::Result<()> {
+//! # let config = ModelConfig::from_hf_json(
+//! #     r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+//! #         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+//! #         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+//! #         "tie_word_embeddings": false, "eos_token_id": 2}"#,
+//! # )?;
+//! # let model = random_model(config, &Device::Cpu, DType::F32)?;
+//! let params = GenerateParams {
+//!     max_new_tokens: 16,
+//!     sampling: Default::default(),
+//!     stop_tokens: vec![],
+//!     max_block_rows: None,
+//! };
+//! let prompts = [vec![5, 17, 9, 40], vec![3, 3, 8], vec![7, 7, 7, 7, 7]];
+//! let requests = prompts
+//!     .iter()
+//!     .map(|p| {
+//!         let drafter = Method::Pld(Default::default()).drafter(0)?;
+//!         Ok(Request { prompt: p.clone(), drafter, params: params.clone() })
+//!     })
+//!     .collect::<anyhow::Result<Vec<_>>>()?;
+//! // Two decoded together; the third joins when one of them ends.
+//! let mut streamed = vec![Vec::new(); prompts.len()];
+//! let generations = generate_all(&model, requests, 2, &mut |i, token| {
+//!     streamed[i].push(token);
+//!     Ok(())
+//! })?;
+//! for ((p, g), s) in prompts.iter().zip(generations).zip(&streamed) {
+//!     let mut drafter = Method::Pld(Default::default()).drafter(0)?;
+//!     let alone = generate(&model, p, drafter.as_mut(), &params, &mut |_| Ok(()))?;
+//!     assert_eq!(g?.tokens, alone.tokens);
+//!     assert_eq!(s, &alone.tokens);
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+use super::batch::{Batch, SequenceId};
+use super::step::{Drafter, GenerateParams, Generation, Halt};
+use crate::model::Transformer;
+use anyhow::{anyhow, Result};
+use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// What a job decodes.
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub drafter: Box<dyn Drafter>,
+    pub params: GenerateParams,
+}
+
+/// What [`Jobs::next`] has.
+pub enum Next<J> {
+    /// A job and what it decodes.
+    Job(J, Request),
+    /// None waiting now.
+    Empty,
+    /// None ever again: [`run`] returns when the batch is done.
+    Closed,
+}
+
+/// The caller's side of the scheduler: where jobs come from and what their tokens become.
+pub trait Jobs {
+    type Job;
+
+    /// The next job. `wait` is true when nothing decodes, so that the call may block until one comes
+    /// (returning [`Next::Empty`] then asks again).
+    fn next(&mut self, wait: bool) -> Next<Self::Job>;
+
+    /// A token `job` committed; an error ends its generation there ([`Halt`]: normally, as a stop
+    /// token would).
+    fn token(&mut self, job: &mut Self::Job, token: u32) -> Result<()>;
+
+    /// How `job` ended: its generation, or why it failed. An error stops [`run`] at once.
+    fn end(&mut self, job: Self::Job, generation: Result<Generation>) -> Result<()>;
+}
+
+/// Steps the jobs `jobs` hands out, up to `parallel` decoded together, until it is closed and every job
+/// has ended; an error only from [`Jobs::end`].
+pub fn run<J: Jobs>(model: &Transformer, parallel: usize, jobs: &mut J) -> Result<()> {
+    let parallel = parallel.max(1);
+    let mut batch = Batch::new(model);
+    let mut active: HashMap<SequenceId, J::Job> = HashMap::new();
+    let mut open = true;
+    loop {
+        while open && batch.len() < parallel {
+            let (job, request) = match jobs.next(batch.is_empty()) {
+                Next::Job(job, request) => (job, request),
+                Next::Empty if batch.is_empty() => continue,
+                Next::Empty => break,
+                Next::Closed => {
+                    open = false;
+                    break;
+                }
+            };
+            let joined = catch_unwind(AssertUnwindSafe(|| {
+                batch.join(&request.prompt, request.drafter, &request.params)
+            }));
+            match joined {
+                Ok(Ok(id)) => {
+                    active.insert(id, job);
+                }
+                Ok(Err(e)) => jobs.end(job, Err(e))?,
+                Err(_) => jobs.end(job, Err(anyhow!("the prefill panicked")))?,
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
+        let step = catch_unwind(AssertUnwindSafe(|| {
+            batch.step(&mut |id, t| match active.get_mut(&id) {
+                Some(job) => jobs.token(job, t),
+                None => Err(Halt.into()),
+            })
+        }));
+        match step {
+            Ok(Ok(ended)) => {
+                for (id, generation) in ended {
+                    if let Some(job) = active.remove(&id) {
+                        jobs.end(job, generation)?;
+                    }
+                }
+            }
+            failed => {
+                let why = match failed {
+                    Ok(Err(e)) => format!("{e:#}"),
+                    _ => "the generation panicked".to_string(),
+                };
+                batch = Batch::new(model);
+                for (_, job) in active.drain() {
+                    jobs.end(job, Err(anyhow!("{why}")))?;
+                }
+            }
+        }
+    }
+}
+
+/// Decodes `requests`, up to `parallel` together, handing each committed token to `on_token(index,
+/// token)` as it comes (an error ends that request's generation, [`Halt`] normally); each request's
+/// generation or why it failed, in the requests' order.
+pub fn generate_all(
+    model: &Transformer,
+    requests: Vec<Request>,
+    parallel: usize,
+    on_token: &mut dyn FnMut(usize, u32) -> Result<()>,
+) -> Result<Vec<Result<Generation>>> {
+    struct Listed<'a> {
+        requests: std::iter::Enumerate<std::vec::IntoIter<Request>>,
+        on_token: &'a mut dyn FnMut(usize, u32) -> Result<()>,
+        ended: Vec<Option<Result<Generation>>>,
+    }
+    impl Jobs for Listed<'_> {
+        type Job = usize;
+        fn next(&mut self, _wait: bool) -> Next<usize> {
+            match self.requests.next() {
+                Some((i, r)) => Next::Job(i, r),
+                None => Next::Closed,
+            }
+        }
+        fn token(&mut self, &mut i: &mut usize, token: u32) -> Result<()> {
+            (self.on_token)(i, token)
+        }
+        fn end(&mut self, i: usize, generation: Result<Generation>) -> Result<()> {
+            self.ended[i] = Some(generation);
+            Ok(())
+        }
+    }
+    let n = requests.len();
+    let mut listed = Listed {
+        requests: requests.into_iter().enumerate(),
+        on_token,
+        ended: (0..n).map(|_| None).collect(),
+    };
+    run(model, parallel, &mut listed)?;
+    Ok(listed
+        .ended
+        .into_iter()
+        .map(|g| g.unwrap_or_else(|| Err(anyhow!("the request never ended"))))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::decode::generate::generate;
+    use crate::decode::method::{EspSpec, Method, PldConfig};
+    use crate::model::synthetic::random_model;
+    use crate::model::ModelConfig;
+    use candle_core::{DType, Device};
+
+    fn tiny_model() -> Result<Transformer> {
+        let config = ModelConfig::from_hf_json(
+            r#"{"model_type": "llama", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+                "tie_word_embeddings": false, "eos_token_id": 2}"#,
+        )?;
+        random_model(config, &Device::Cpu, DType::F32)
+    }
+
+    fn params(max_new_tokens: usize) -> GenerateParams {
+        GenerateParams {
+            max_new_tokens,
+            sampling: Default::default(),
+            stop_tokens: vec![],
+            max_block_rows: None,
+        }
+    }
+
+    /// Jobs that arrive one by one while others decode, some failing before they join.
+    struct Arrivals {
+        waiting: Vec<(usize, Result<Request>)>,
+        tokens: HashMap<usize, Vec<u32>>,
+        ended: HashMap<usize, Result<Vec<u32>, String>>,
+        most_active: usize,
+        active: usize,
+    }
+
+    impl Jobs for Arrivals {
+        type Job = usize;
+        fn next(&mut self, _wait: bool) -> Next<usize> {
+            match self.waiting.pop() {
+                Some((i, Ok(r))) => {
+                    self.active += 1;
+                    self.most_active = self.most_active.max(self.active);
+                    Next::Job(i, r)
+                }
+                Some((i, Err(e))) => {
+                    self.ended.insert(i, Err(format!("{e:#}")));
+                    Next::Empty
+                }
+                None => Next::Closed,
+            }
+        }
+        fn token(&mut self, &mut i: &mut usize, token: u32) -> Result<()> {
+            self.tokens.entry(i).or_default().push(token);
+            Ok(())
+        }
+        fn end(&mut self, i: usize, generation: Result<Generation>) -> Result<()> {
+            self.active -= 1;
+            self.ended
+                .insert(i, generation.map(|g| g.tokens).map_err(|e| format!("{e:#}")));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn jobs_joining_as_they_come_get_their_answers_alone() -> Result<()> {
+        let model = tiny_model()?;
+        let prompts: Vec<Vec<u32>> = (0..7)
+            .map(|i| (0..5 + i).map(|j| (j * 3 + i) as u32 % 50 + 4).collect())
+            .collect();
+        let methods = [
+            Method::Ar,
+            Method::Pld(PldConfig::default()),
+            Method::Esp(EspSpec::default()),
+        ];
+        let lens = |i: usize| 3 + 5 * i;
+        let mut waiting: Vec<(usize, Result<Request>)> = Vec::new();
+        for (i, p) in prompts.iter().enumerate() {
+            let request = Ok(Request {
+                prompt: p.clone(),
+                drafter: methods[i % 3].drafter(0)?,
+                params: params(lens(i)),
+            });
+            waiting.push((i, request));
+        }
+        waiting.push((99, Err(anyhow!("no such model"))));
+        waiting.reverse();
+        let mut arrivals = Arrivals {
+            waiting,
+            tokens: HashMap::new(),
+            ended: HashMap::new(),
+            most_active: 0,
+            active: 0,
+        };
+        run(&model, 3, &mut arrivals)?;
+        assert_eq!(
+            arrivals.most_active, 3,
+            "never more than --parallel, and that many"
+        );
+        for (i, p) in prompts.iter().enumerate() {
+            let mut d = methods[i % 3].drafter(0)?;
+            let alone = generate(&model, p, d.as_mut(), &params(lens(i)), &mut |_| Ok(()))?.tokens;
+            assert_eq!(arrivals.ended[&i].as_ref().unwrap(), &alone, "request {i}");
+            assert_eq!(arrivals.tokens[&i], alone, "request {i} streamed");
+        }
+        assert_eq!(arrivals.ended[&99], Err("no such model".to_string()));
+        assert_eq!(arrivals.ended.len(), prompts.len() + 1);
+        Ok(())
+    }
+
+    #[test]
+    fn an_error_from_end_stops_the_run_and_a_halt_ends_only_its_job() -> Result<()> {
+        let model = tiny_model()?;
+        let requests = |n: usize| -> Result<Vec<Request>> {
+            (0..n)
+                .map(|i| {
+                    Ok(Request {
+                        prompt: vec![4 + i as u32, 9, 11],
+                        drafter: Method::Ar.drafter(0)?,
+                        params: params(12),
+                    })
+                })
+                .collect()
+        };
+        // Request 1 halts after 3 tokens; the others run to their length.
+        let mut seen = [0usize; 3];
+        let ends = generate_all(&model, requests(3)?, 3, &mut |i, _| {
+            seen[i] += 1;
+            if i == 1 && seen[i] == 3 {
+                return Err(Halt.into());
+            }
+            Ok(())
+        })?;
+        let lens: Vec<usize> = ends.into_iter().map(|g| g.unwrap().tokens.len()).collect();
+        assert_eq!(lens, [12, 3, 12]);
+
+        struct Failing(std::vec::IntoIter<Request>, usize);
+        impl Jobs for Failing {
+            type Job = ();
+            fn next(&mut self, _: bool) -> Next<()> {
+                self.0.next().map_or(Next::Closed, |r| Next::Job((), r))
+            }
+            fn token(&mut self, _: &mut (), _: u32) -> Result<()> {
+                Ok(())
+            }
+            fn end(&mut self, _: (), _: Result<Generation>) -> Result<()> {
+                self.1 += 1;
+                Err(anyhow!("disk full"))
+            }
+        }
+        let mut failing = Failing(requests(4)?.into_iter(), 0);
+        let e = run(&model, 2, &mut failing).unwrap_err();
+        assert_eq!(e.to_string(), "disk full");
+        assert_eq!(failing.1, 1, "no job ends after the error");
+        Ok(())
+    }
+}
