@@ -113,12 +113,14 @@ fn answer_tokens(s: &Server, r: &Request) -> Vec<u32> {
     }
 }
 
-/// Ten requests from ten clients at once, into a server decoding four together: every answer is the one
-/// the library gives alone; then the same one by one.
+/// Ten requests from ten clients at once, into a server decoding four together and prefilling a joining
+/// prompt five rows a step beside them: every answer is the one the library gives alone; then the same
+/// one by one.
 #[test]
 fn answers_decoded_together_are_the_answers_alone() {
     let (path, l) = smollm2();
-    let s = Server::start(&["--model", path.to_str().unwrap(), "--parallel", "4"]);
+    let model = path.to_str().unwrap();
+    let s = Server::start(&["--model", model, "--parallel", "4", "--prefill-chunk", "5"]);
     let requests = requests(&l);
     std::thread::scope(|scope| {
         let handles: Vec<_> = requests
@@ -172,6 +174,53 @@ fn clients_that_leave_do_not_change_the_others() {
     assert_eq!(h["failed"], 0, "{h}");
     // Still serving.
     assert_eq!(answer_tokens(&s, &requests[5]), requests[5].expected);
+}
+
+/// With a KV budget that holds two of the requests' caches (16 MiB: 728 rows of SmolLM2's bf16 cache,
+/// 30 layers of 3 heads of 64; each request reserves its prompt, answer and a block's 256 rows), four
+/// clients at once still get their answers alone, the others waiting their turn; a request that could
+/// never fit gets a 400 naming `max_tokens`, one without `max_tokens` (the server's default 600) is cut
+/// to fit, and the server keeps serving.
+#[test]
+fn a_kv_budget_holds_requests_back_and_refuses_one_that_cannot_fit() {
+    let (path, l) = smollm2();
+    let model = path.to_str().unwrap();
+    let s = Server::start(&[
+        "--model",
+        model,
+        "--parallel",
+        "4",
+        "--kv-budget",
+        "16",
+        "--max-new-tokens",
+        "600",
+    ]);
+    let requests = &requests(&l)[..4];
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = requests
+            .iter()
+            .map(|r| scope.spawn(|| answer_tokens(&s, r)))
+            .collect();
+        for (i, (h, r)) in handles.into_iter().zip(requests).enumerate() {
+            assert_eq!(h.join().unwrap(), r.expected, "request {i}: {}", r.body);
+        }
+    });
+    let (status, body) = s.post("/v1/completions", &json!({"prompt": "Hello", "max_tokens": 1000}));
+    assert_eq!(status, 400, "{body}");
+    assert_eq!(body["error"]["param"], "max_tokens", "{body}");
+    let message = body["error"]["message"].as_str().unwrap();
+    assert!(message.contains("--kv-budget holds (728)"), "{message}");
+    // 728 rows less the block's 256 and the prompt's.
+    let cut = s.ok("/v1/completions", &json!({"prompt": "Hello", "ignore_eos": true}));
+    let prompt_tokens = cut["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(
+        cut["usage"]["completion_tokens"],
+        728 - 256 - prompt_tokens,
+        "{cut}"
+    );
+    let h = s.health();
+    assert_eq!(h["completed"], 5, "{h}");
+    assert_eq!(h["failed"], 0, "{h}");
 }
 
 #[test]

@@ -1,8 +1,10 @@
 //! Many generations stepped together: each step runs every active sequence's block in one forward pass.
 //!
 //! A sequence is a [`Sequence`] with its own KV cache and drafter (so its own acceptance statistics and
-//! `--bc auto` choices). Sequences join between steps ([`Batch::join`] prefills the prompt alone) and
-//! leave when they end or are cancelled. A step plans every sequence's block (one row for plain decoding,
+//! `--bc auto` choices). Sequences join between steps and leave when they end or are cancelled. A
+//! joining prompt is prefilled alone when it joins, or, with a prefill chunk
+//! ([`Batch::with_prefill_chunk`]), a few rows a step in the same forward pass as the others' blocks,
+//! so that they keep producing tokens while it goes in. A step plans every sequence's block (one row for plain decoding,
 //! a tree and probe rows when speculating), runs them all through
 //! [`Transformer::forward_batch`](crate::model::Transformer::forward_batch), computes every sequence's
 //! first vocabulary projection in one product, and verifies each sequence on its own. The model's kernels
@@ -55,6 +57,7 @@
 //! # }
 //! ```
 
+use super::prefill::{Prefill, PrefillChunk};
 use super::sequence::{Block, Prefetched, Sequence};
 use super::step::{Drafter, GenerateParams, Generation};
 use crate::model::{KvCache, SequenceBlock, Transformer};
@@ -65,12 +68,26 @@ use std::time::Instant;
 /// A sequence's number in its batch, in joining order from 0.
 pub type SequenceId = u64;
 
+/// Where a generation is.
+enum Work {
+    /// Its prompt going into the cache, a chunk a step.
+    Prefilling(Box<Prefill>),
+    Decoding(Box<Sequence>),
+}
+
 /// A generation in the batch.
 struct Member {
     id: SequenceId,
-    seq: Sequence,
+    work: Work,
     cache: KvCache,
     drafter: Box<dyn Drafter>,
+}
+
+/// What a member sends in a step.
+enum Planned {
+    Nothing,
+    Prefill(PrefillChunk),
+    Decode(Block),
 }
 
 /// Generations decoded together.
@@ -78,6 +95,8 @@ pub struct Batch<'m> {
     model: &'m Transformer,
     members: Vec<Member>,
     next_id: SequenceId,
+    /// Most prompt rows a step prefills beside decoding sequences (`None`: a prompt goes in whole).
+    prefill_chunk: Option<usize>,
 }
 
 impl<'m> Batch<'m> {
@@ -86,7 +105,16 @@ impl<'m> Batch<'m> {
             model,
             members: Vec::new(),
             next_id: 0,
+            prefill_chunk: None,
         }
+    }
+
+    /// Prompts that join go in a step at a time beside the decoding sequences, at most `rows` prompt
+    /// rows a step, so that those keep producing tokens; while nothing decodes a prompt goes in whole.
+    /// Only where the model gives a prompt in parts the bits of the whole ([`Prefill::splits`]).
+    pub fn with_prefill_chunk(mut self, rows: Option<usize>) -> Self {
+        self.prefill_chunk = rows.filter(|_| Prefill::splits(self.model)).map(|r| r.max(1));
+        self
     }
 
     /// Sequences still decoding.
@@ -98,8 +126,9 @@ impl<'m> Batch<'m> {
         self.members.is_empty()
     }
 
-    /// Prefills `prompt` (alone, between steps) and adds its generation to the batch; its first token
-    /// is handed out by the next [`Batch::step`].
+    /// Adds a generation of `prompt` to the batch. Without a prefill chunk its prompt is prefilled now
+    /// (alone, between steps); with one the next steps prefill it. Its first token is handed out by the
+    /// step after its prefill.
     pub fn join(
         &mut self,
         prompt: &[u32],
@@ -107,12 +136,16 @@ impl<'m> Batch<'m> {
         params: &GenerateParams,
     ) -> Result<SequenceId> {
         let mut cache = self.model.new_cache(0)?;
-        let seq = Sequence::start(self.model, &mut cache, prompt, drafter.as_mut(), params)?;
+        let prefill = Prefill::begin(self.model, &mut cache, prompt, drafter.as_mut(), params)?;
+        let work = match self.prefill_chunk {
+            Some(_) => Work::Prefilling(Box::new(prefill)),
+            None => Work::Decoding(Box::new(prefill.run(self.model, &mut cache, drafter.as_mut())?)),
+        };
         let id = self.next_id;
         self.next_id += 1;
         self.members.push(Member {
             id,
-            seq,
+            work,
             cache,
             drafter,
         });
@@ -123,14 +156,13 @@ impl<'m> Batch<'m> {
     /// `None` when it is not in the batch.
     pub fn cancel(&mut self, id: SequenceId) -> Option<Generation> {
         let i = self.members.iter().position(|m| m.id == id)?;
-        let mut m = self.members.remove(i);
-        Some(m.seq.finish(&mut m.cache))
+        Some(self.members.remove(i).end())
     }
 
     /// One step: hands every sequence's committed tokens to `on_token(id, token)`, removes the sequences
     /// that ended (returned with their generation, or the error that ended them: an `on_token` error
     /// other than [`Halt`](super::step::Halt) ends only its own sequence), then runs one forward pass
-    /// over the blocks of the others and verifies each.
+    /// over the blocks of the others (and the next chunks of the prompts going in) and verifies each.
     pub fn step(
         &mut self,
         on_token: &mut dyn FnMut(SequenceId, u32) -> Result<()>,
@@ -140,12 +172,13 @@ impl<'m> Batch<'m> {
         while i < self.members.len() {
             let m = &mut self.members[i];
             let id = m.id;
-            match m.seq.emit(&mut |t| on_token(id, t)) {
+            let Work::Decoding(seq) = &mut m.work else {
+                i += 1;
+                continue;
+            };
+            match seq.emit(&mut |t| on_token(id, t)) {
                 Ok(None) => i += 1,
-                Ok(Some(_)) => {
-                    let mut m = self.members.remove(i);
-                    ended.push((id, Ok(m.seq.finish(&mut m.cache))));
-                }
+                Ok(Some(_)) => ended.push((id, Ok(self.members.remove(i).end()))),
                 Err(e) => {
                     self.members.remove(i);
                     ended.push((id, Err(e)));
@@ -156,57 +189,105 @@ impl<'m> Batch<'m> {
             return Ok(ended);
         }
         let model = self.model;
-        let blocks: Vec<Block> = self
-            .members
-            .iter_mut()
-            .map(|m| m.seq.plan(model, &m.cache, m.drafter.as_mut()))
-            .collect::<Result<_>>()?;
+        let planned = self.plan()?;
         let t = Instant::now();
-        let mut inputs: Vec<SequenceBlock> = blocks
-            .iter()
-            .zip(self.members.iter_mut())
-            .map(|(b, m)| SequenceBlock {
-                x: &b.x,
-                positions: &b.positions,
-                mask: &b.mask,
+        let mut inputs: Vec<SequenceBlock> = Vec::with_capacity(planned.len());
+        for (p, m) in planned.iter().zip(self.members.iter_mut()) {
+            let (x, positions, mask) = match p {
+                Planned::Nothing => continue,
+                Planned::Prefill(c) => (&c.x, &c.positions, &c.mask),
+                Planned::Decode(b) => (&b.x, &b.positions, &b.mask),
+            };
+            inputs.push(SequenceBlock {
+                x,
+                positions,
+                mask,
                 cache: &mut m.cache,
-            })
-            .collect();
-        let hidden = model.forward_batch(&mut inputs)?;
+            });
+        }
+        let mut hidden = model.forward_batch(&mut inputs)?.into_iter();
         drop(inputs);
         let forward_seconds = t.elapsed().as_secs_f64();
-        let first = self.first_projections(&blocks, &hidden)?;
-        for (((m, block), h), f) in self.members.iter_mut().zip(blocks).zip(&hidden).zip(first) {
-            let f = Some(f);
-            m.seq.verify(
-                model,
-                &mut m.cache,
-                m.drafter.as_mut(),
-                block,
-                h,
-                forward_seconds,
-                f,
-            )?;
+        let hidden: Vec<Option<Tensor>> = planned
+            .iter()
+            .map(|p| match p {
+                Planned::Nothing => None,
+                _ => hidden.next(),
+            })
+            .collect();
+        let mut first = self.first_projections(&planned, &hidden)?.into_iter();
+        for ((m, p), h) in self.members.iter_mut().zip(planned).zip(&hidden) {
+            let Some(h) = h else { continue };
+            match (p, &mut m.work) {
+                (Planned::Decode(block), Work::Decoding(seq)) => {
+                    let f = first.next();
+                    seq.verify(
+                        model,
+                        &mut m.cache,
+                        m.drafter.as_mut(),
+                        block,
+                        h,
+                        forward_seconds,
+                        f,
+                    )?;
+                }
+                (Planned::Prefill(chunk), Work::Prefilling(prefill)) => {
+                    if let Some(seq) = prefill.advance(model, &mut m.cache, m.drafter.as_mut(), chunk, h)? {
+                        m.work = Work::Decoding(Box::new(seq));
+                    }
+                }
+                _ => unreachable!("a member's plan follows its work"),
+            }
         }
         Ok(ended)
     }
 
-    /// Every sequence's first vocabulary projection ([`Block::first_rows`]) as one product over all their
-    /// rows.
-    fn first_projections(&self, blocks: &[Block], hidden: &[Tensor]) -> Result<Vec<Prefetched>> {
-        let rows: Vec<Vec<usize>> = blocks
-            .iter()
-            .zip(&self.members)
-            .map(|(b, m)| b.first_rows(m.drafter.as_ref()))
-            .collect();
+    /// Every member's part of the next forward pass: a decoding sequence's block; a prompt's next chunk,
+    /// the prompts that joined first first, within the prefill chunk while others decode (whole while
+    /// none does).
+    fn plan(&mut self) -> Result<Vec<Planned>> {
+        let model = self.model;
+        let decoding = self.members.iter().any(|m| matches!(m.work, Work::Decoding(_)));
+        let mut prefill_rows = match self.prefill_chunk {
+            Some(rows) if decoding => rows,
+            _ => usize::MAX,
+        };
+        self.members
+            .iter_mut()
+            .map(|m| match &mut m.work {
+                Work::Decoding(seq) => Ok(Planned::Decode(seq.plan(model, &m.cache, m.drafter.as_mut())?)),
+                Work::Prefilling(_) if prefill_rows == 0 => Ok(Planned::Nothing),
+                Work::Prefilling(prefill) => {
+                    let chunk = prefill.chunk(model, m.drafter.as_ref(), prefill_rows)?;
+                    prefill_rows = prefill_rows.saturating_sub(prefill.left().min(prefill_rows));
+                    Ok(Planned::Prefill(chunk))
+                }
+            })
+            .collect()
+    }
+
+    /// Every decoding sequence's first vocabulary projection ([`Block::first_rows`]) as one product over
+    /// all their rows, in member order.
+    fn first_projections(&self, planned: &[Planned], hidden: &[Option<Tensor>]) -> Result<Vec<Prefetched>> {
+        let mut rows: Vec<Vec<usize>> = Vec::new();
+        let mut decoded: Vec<&Tensor> = Vec::new();
+        for ((p, h), m) in planned.iter().zip(hidden).zip(&self.members) {
+            if let (Planned::Decode(b), Some(h)) = (p, h) {
+                rows.push(b.first_rows(m.drafter.as_ref()));
+                decoded.push(h);
+            }
+        }
+        if decoded.is_empty() {
+            return Ok(Vec::new());
+        }
         let t = Instant::now();
         let mut all = Vec::new();
         let mut start = 0;
-        for (r, h) in rows.iter().zip(hidden) {
+        for (r, h) in rows.iter().zip(&decoded) {
             all.extend(r.iter().map(|&row| start + row));
             start += h.dim(0)?;
         }
-        let stacked = Tensor::cat(hidden, 0)?;
+        let stacked = Tensor::cat(&decoded, 0)?;
         let mut logits = self.model.logits(&stacked, &all)?.to_vec2::<f32>()?.into_iter();
         // Each sequence's share of the projection's time, by its rows.
         let seconds = t.elapsed().as_secs_f64() / all.len().max(1) as f64;
@@ -218,6 +299,16 @@ impl<'m> Batch<'m> {
                 rows,
             })
             .collect())
+    }
+}
+
+impl Member {
+    /// Its generation, where it is.
+    fn end(mut self) -> Generation {
+        match self.work {
+            Work::Decoding(seq) => seq.finish(&mut self.cache),
+            Work::Prefilling(prefill) => prefill.abandon(),
+        }
     }
 }
 

@@ -65,7 +65,16 @@ fn batched(
     model: &Transformer,
     requests: &[(Vec<u32>, Method, GenerateParams, usize)],
 ) -> Result<HashMap<SequenceId, (Vec<u32>, Generation)>> {
-    let mut batch = Batch::new(model);
+    batched_chunked(model, requests, None)
+}
+
+/// [`batched`] with prompts prefilled at most `prefill_chunk` rows a step beside the decoding ones.
+fn batched_chunked(
+    model: &Transformer,
+    requests: &[(Vec<u32>, Method, GenerateParams, usize)],
+    prefill_chunk: Option<usize>,
+) -> Result<HashMap<SequenceId, (Vec<u32>, Generation)>> {
+    let mut batch = Batch::new(model).with_prefill_chunk(prefill_chunk);
     let mut streamed: HashMap<SequenceId, Vec<u32>> = HashMap::new();
     let mut done = HashMap::new();
     let mut ids = Vec::new();
@@ -204,5 +213,107 @@ fn cancelled_and_failed_sequences_leave_the_others_alone() -> Result<()> {
     assert!(format!("{:#}", failed.err().expect("an error")).contains("went away"));
     let g2 = ended.remove(&2).expect("sequence 2 ended")?;
     assert_eq!(g2.tokens, alone(&model, &prompts[2], &methods[2], &p)?);
+    Ok(())
+}
+
+/// Prompts prefilled a few rows a step beside decoding sequences (long prompts joining late, chunks of
+/// 1, 3 and 16 rows, greedy and seeded sampling): every answer is its answer alone, on the flat layers
+/// and on candle's tensors.
+#[test]
+fn prompts_prefilled_in_chunks_give_the_answers_alone() -> Result<()> {
+    let flat = packed_model("qwen3-0.6b", GgmlDType::Q4K)?;
+    let mut c = shape_config("llama3.2-1b")?;
+    (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (64, 128, 2, 16);
+    (
+        c.num_heads,
+        c.num_kv_heads,
+        c.vocab_size,
+        c.max_position_embeddings,
+    ) = (4, 2, 300, 256);
+    let tensors = random_model(c, &Device::Cpu, DType::F32)?;
+    let long: Vec<Vec<u32>> = [41usize, 23]
+        .iter()
+        .map(|&n| (0..n).map(|i| (i * 11 % 37) as u32 + 20).collect())
+        .collect();
+    for model in [&flat, &tensors] {
+        assert!(model.row_invariant());
+        for (chunk, sampling) in [
+            (1, SamplingParams::default()),
+            (
+                3,
+                SamplingParams {
+                    temperature: 0.8,
+                    top_p: 0.9,
+                    top_k: 40,
+                    seed: 7,
+                },
+            ),
+            (16, SamplingParams::default()),
+        ] {
+            let requests: Vec<_> = prompts()
+                .into_iter()
+                .chain(long.clone())
+                .zip(methods().into_iter().cycle())
+                .enumerate()
+                .map(|(i, (prompt, method))| {
+                    (
+                        prompt,
+                        method,
+                        params(10 + 3 * i, sampling),
+                        [0, 1, 2, 2, 3, 4, 6][i],
+                    )
+                })
+                .collect();
+            let done = batched_chunked(model, &requests, Some(chunk))?;
+            for (i, (prompt, method, p, _)) in requests.iter().enumerate() {
+                let (streamed, g) = &done[&(i as u64)];
+                let want = alone(model, prompt, method, p)?;
+                assert_eq!(g.tokens, want, "{} (request {i}, chunk {chunk})", method.kind());
+                assert_eq!(streamed, &want, "{} streamed", method.kind());
+                assert_eq!(g.stats.prefill_tokens, prompt.len(), "request {i}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A prompt going in a row a step beside a decoding sequence: nothing comes from it until its prefill
+/// ends; cancelled part-way it ends with no tokens, and the other's answer is unchanged.
+#[test]
+fn a_prompt_cancelled_while_it_goes_in_ends_with_no_tokens() -> Result<()> {
+    let model = packed_model("qwen3-0.6b", GgmlDType::Q8_0)?;
+    let p = params(20, SamplingParams::default());
+    let mut batch = Batch::new(&model).with_prefill_chunk(Some(1));
+    let first = prompts()[1].clone();
+    batch.join(&first, Method::Ar.drafter(0)?, &p)?;
+    let mut streamed: HashMap<SequenceId, Vec<u32>> = HashMap::new();
+    let mut step = |batch: &mut Batch| -> Result<()> {
+        let ended = batch.step(&mut |id, t| {
+            streamed.entry(id).or_default().push(t);
+            Ok(())
+        })?;
+        assert!(ended.is_empty());
+        Ok(())
+    };
+    step(&mut batch)?;
+    let long: Vec<u32> = (0..30).map(|i| i * 3 + 7).collect();
+    batch.join(&long, Method::Ar.drafter(0)?, &p)?;
+    for _ in 0..5 {
+        step(&mut batch)?;
+    }
+    assert!(!streamed.contains_key(&1), "a token before the prompt went in");
+    let cancelled = batch.cancel(1).expect("sequence 1 is in the batch");
+    assert_eq!(cancelled.finish_reason, FinishReason::Halted);
+    assert!(cancelled.tokens.is_empty());
+    assert_eq!(cancelled.stats.prefill_tokens, 5, "a row a step");
+    while !batch.is_empty() {
+        for (id, g) in batch.step(&mut |id, t| {
+            streamed.entry(id).or_default().push(t);
+            Ok(())
+        })? {
+            assert_eq!(id, 0);
+            assert_eq!(g?.tokens, alone(&model, &first, &Method::Ar, &p)?);
+        }
+    }
     Ok(())
 }

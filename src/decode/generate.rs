@@ -2,10 +2,9 @@
 //!
 //! prefill -> loop { emit what the last step committed -> drafter proposes a tree (+ probe rows) -> ONE
 //! forward -> accept a path -> keep prefix + root + accepted path in the KV cache -> hand the probes'
-//! logits back to the drafter }. The steps' bodies are [`Sequence`]'s, which a batch steps the same way
+//! logits back to the drafter }. The steps' bodies are [`Sequence`](super::sequence::Sequence)'s, which a batch steps the same way
 //! beside other sequences; the loop's types are [`super::step`]'s, re-exported here.
 
-use super::sequence::Sequence;
 pub use super::step::{Draft, Drafter, FinishReason, GenerateParams, Generation, Halt, Step};
 use crate::model::{KvCache, Transformer};
 use anyhow::Result;
@@ -84,7 +83,7 @@ pub fn generate_in(
     params: &GenerateParams,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Generation> {
-    let mut seq = Sequence::start(model, cache, prompt, drafter, params)?;
+    let mut seq = super::prefill::start(model, cache, prompt, drafter, params)?;
     while seq.emit(on_token)?.is_none() {
         let block = seq.plan(model, cache, drafter)?;
         let t = Instant::now();

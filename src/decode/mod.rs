@@ -17,6 +17,7 @@ pub mod generate;
 pub mod kind;
 pub mod layout;
 pub mod method;
+pub mod prefill;
 pub mod sampling;
 pub mod scheduler;
 pub mod sequence;

@@ -54,6 +54,7 @@
 //! ```
 
 use super::batch::{Batch, SequenceId};
+use super::prefill::cache_rows;
 use super::step::{Drafter, GenerateParams, Generation, Halt};
 use crate::model::Transformer;
 use anyhow::{anyhow, Result};
@@ -93,30 +94,83 @@ pub trait Jobs {
     fn end(&mut self, job: Self::Job, generation: Result<Generation>) -> Result<()>;
 }
 
-/// Steps the jobs `jobs` hands out, up to `parallel` decoded together, until it is closed and every job
-/// has ended; an error only from [`Jobs::end`].
-pub fn run<J: Jobs>(model: &Transformer, parallel: usize, jobs: &mut J) -> Result<()> {
-    let parallel = parallel.max(1);
-    let mut batch = Batch::new(model);
-    let mut active: HashMap<SequenceId, J::Job> = HashMap::new();
+/// How much a batch may hold at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// Sequences decoded together.
+    pub sequences: usize,
+    /// KV cache rows the sequences decoding together may reserve ([`cache_rows`]: their prompts, answers
+    /// and a block each); `None`: no bound but `sequences`.
+    pub kv_rows: Option<usize>,
+    /// Most prompt rows a step prefills beside decoding sequences
+    /// ([`Batch::with_prefill_chunk`]); `None`: a joining prompt is prefilled whole, between steps.
+    pub prefill_chunk: Option<usize>,
+}
+
+impl Capacity {
+    /// Up to `sequences` together, with no bound on their caches, prompts prefilled whole.
+    pub fn sequences(sequences: usize) -> Self {
+        Capacity {
+            sequences,
+            kv_rows: None,
+            prefill_chunk: None,
+        }
+    }
+}
+
+/// The KV cache rows `request` reserves on `model`.
+pub fn request_rows(model: &Transformer, request: &Request) -> usize {
+    cache_rows(
+        model.config.max_position_embeddings,
+        request.prompt.len(),
+        request.params.max_new_tokens,
+    )
+}
+
+/// Steps the jobs `jobs` hands out, up to `capacity` together, until it is closed and every job has
+/// ended; an error only from [`Jobs::end`]. A job whose cache would overflow `capacity.kv_rows` waits
+/// (and the jobs after it) until others end; one that could never fit fails.
+pub fn run<J: Jobs>(model: &Transformer, capacity: Capacity, jobs: &mut J) -> Result<()> {
+    let new_batch = || Batch::new(model).with_prefill_chunk(capacity.prefill_chunk);
+    let mut batch = new_batch();
+    // Each active job and the cache rows it reserved.
+    let mut active: HashMap<SequenceId, (J::Job, usize)> = HashMap::new();
+    let mut waiting: Option<(J::Job, Request)> = None;
     let mut open = true;
     loop {
-        while open && batch.len() < parallel {
-            let (job, request) = match jobs.next(batch.is_empty()) {
-                Next::Job(job, request) => (job, request),
-                Next::Empty if batch.is_empty() => continue,
-                Next::Empty => break,
-                Next::Closed => {
-                    open = false;
+        while batch.len() < capacity.sequences.max(1) {
+            let (job, request) = match waiting.take() {
+                Some(w) => w,
+                None if !open => break,
+                None => match jobs.next(batch.is_empty()) {
+                    Next::Job(job, request) => (job, request),
+                    Next::Empty if batch.is_empty() => continue,
+                    Next::Empty => break,
+                    Next::Closed => {
+                        open = false;
+                        break;
+                    }
+                },
+            };
+            let rows = request_rows(model, &request);
+            if let Some(budget) = capacity.kv_rows {
+                if rows > budget {
+                    let why = anyhow!("it needs {rows} KV cache rows, more than the {budget} all may hold");
+                    jobs.end(job, Err(why))?;
+                    continue;
+                }
+                let reserved: usize = active.values().map(|(_, r)| r).sum();
+                if reserved + rows > budget {
+                    waiting = Some((job, request));
                     break;
                 }
-            };
+            }
             let joined = catch_unwind(AssertUnwindSafe(|| {
                 batch.join(&request.prompt, request.drafter, &request.params)
             }));
             match joined {
                 Ok(Ok(id)) => {
-                    active.insert(id, job);
+                    active.insert(id, (job, rows));
                 }
                 Ok(Err(e)) => jobs.end(job, Err(e))?,
                 Err(_) => jobs.end(job, Err(anyhow!("the prefill panicked")))?,
@@ -127,14 +181,14 @@ pub fn run<J: Jobs>(model: &Transformer, parallel: usize, jobs: &mut J) -> Resul
         }
         let step = catch_unwind(AssertUnwindSafe(|| {
             batch.step(&mut |id, t| match active.get_mut(&id) {
-                Some(job) => jobs.token(job, t),
+                Some((job, _)) => jobs.token(job, t),
                 None => Err(Halt.into()),
             })
         }));
         match step {
             Ok(Ok(ended)) => {
                 for (id, generation) in ended {
-                    if let Some(job) = active.remove(&id) {
+                    if let Some((job, _)) = active.remove(&id) {
                         jobs.end(job, generation)?;
                     }
                 }
@@ -144,8 +198,8 @@ pub fn run<J: Jobs>(model: &Transformer, parallel: usize, jobs: &mut J) -> Resul
                     Ok(Err(e)) => format!("{e:#}"),
                     _ => "the generation panicked".to_string(),
                 };
-                batch = Batch::new(model);
-                for (_, job) in active.drain() {
+                batch = new_batch();
+                for (_, (job, _)) in active.drain() {
                     jobs.end(job, Err(anyhow!("{why}")))?;
                 }
             }
@@ -189,7 +243,7 @@ pub fn generate_all(
         on_token,
         ended: (0..n).map(|_| None).collect(),
     };
-    run(model, parallel, &mut listed)?;
+    run(model, Capacity::sequences(parallel), &mut listed)?;
     Ok(listed
         .ended
         .into_iter()
@@ -205,6 +259,7 @@ mod tests {
     use crate::model::synthetic::random_model;
     use crate::model::ModelConfig;
     use candle_core::{DType, Device};
+    use std::collections::HashSet;
 
     fn tiny_model() -> Result<Transformer> {
         let config = ModelConfig::from_hf_json(
@@ -230,19 +285,16 @@ mod tests {
         waiting: Vec<(usize, Result<Request>)>,
         tokens: HashMap<usize, Vec<u32>>,
         ended: HashMap<usize, Result<Vec<u32>, String>>,
-        most_active: usize,
-        active: usize,
+        /// Jobs that have had a token and not ended, and the most there were at once.
+        live: HashSet<usize>,
+        most_live: usize,
     }
 
     impl Jobs for Arrivals {
         type Job = usize;
         fn next(&mut self, _wait: bool) -> Next<usize> {
             match self.waiting.pop() {
-                Some((i, Ok(r))) => {
-                    self.active += 1;
-                    self.most_active = self.most_active.max(self.active);
-                    Next::Job(i, r)
-                }
+                Some((i, Ok(r))) => Next::Job(i, r),
                 Some((i, Err(e))) => {
                     self.ended.insert(i, Err(format!("{e:#}")));
                     Next::Empty
@@ -252,10 +304,12 @@ mod tests {
         }
         fn token(&mut self, &mut i: &mut usize, token: u32) -> Result<()> {
             self.tokens.entry(i).or_default().push(token);
+            self.live.insert(i);
+            self.most_live = self.most_live.max(self.live.len());
             Ok(())
         }
         fn end(&mut self, i: usize, generation: Result<Generation>) -> Result<()> {
-            self.active -= 1;
+            self.live.remove(&i);
             self.ended
                 .insert(i, generation.map(|g| g.tokens).map_err(|e| format!("{e:#}")));
             Ok(())
@@ -289,14 +343,11 @@ mod tests {
             waiting,
             tokens: HashMap::new(),
             ended: HashMap::new(),
-            most_active: 0,
-            active: 0,
+            live: HashSet::new(),
+            most_live: 0,
         };
-        run(&model, 3, &mut arrivals)?;
-        assert_eq!(
-            arrivals.most_active, 3,
-            "never more than --parallel, and that many"
-        );
+        run(&model, Capacity::sequences(3), &mut arrivals)?;
+        assert_eq!(arrivals.most_live, 3, "never more than --parallel, and that many");
         for (i, p) in prompts.iter().enumerate() {
             let mut d = methods[i % 3].drafter(0)?;
             let alone = generate(&model, p, d.as_mut(), &params(lens(i)), &mut |_| Ok(()))?.tokens;
@@ -305,6 +356,60 @@ mod tests {
         }
         assert_eq!(arrivals.ended[&99], Err("no such model".to_string()));
         assert_eq!(arrivals.ended.len(), prompts.len() + 1);
+        Ok(())
+    }
+
+    /// Four requests of 272 cache rows each on a model of context 256 (prompt 6, answer 10, a block's
+    /// 256 rows), and one of 512 rows.
+    fn budget_run(kv_rows: usize) -> Result<Arrivals> {
+        let model = tiny_model()?;
+        assert_eq!(cache_rows(256, 6, 10), 272);
+        let mut waiting: Vec<(usize, Result<Request>)> = Vec::new();
+        for i in 0..5 {
+            let request = Request {
+                prompt: (0..6).map(|j| (i * 5 + j) as u32 + 4).collect(),
+                drafter: Method::Pld(PldConfig::default()).drafter(0)?,
+                params: params(if i == 2 { 300 } else { 10 }),
+            };
+            waiting.push((i, Ok(request)));
+        }
+        waiting.reverse();
+        let mut arrivals = Arrivals {
+            waiting,
+            tokens: HashMap::new(),
+            ended: HashMap::new(),
+            live: HashSet::new(),
+            most_live: 0,
+        };
+        let capacity = Capacity {
+            sequences: 4,
+            kv_rows: Some(kv_rows),
+            prefill_chunk: Some(2),
+        };
+        run(&model, capacity, &mut arrivals)?;
+        for i in [0, 1, 3, 4] {
+            let mut d = Method::Pld(PldConfig::default()).drafter(0)?;
+            let prompt: Vec<u32> = (0..6).map(|j| (i * 5 + j) as u32 + 4).collect();
+            let alone = generate(&model, &prompt, d.as_mut(), &params(10), &mut |_| Ok(()))?.tokens;
+            assert_eq!(arrivals.ended[&i].as_ref().unwrap(), &alone, "request {i}");
+        }
+        Ok(arrivals)
+    }
+
+    #[test]
+    fn jobs_wait_for_room_in_the_kv_budget() -> Result<()> {
+        // Room for two of the small ones, or the large one alone.
+        let two = budget_run(2 * 272 + 10)?;
+        assert_eq!(two.most_live, 2);
+        assert!(two.ended[&2].is_ok(), "{:?}", two.ended[&2]);
+        // Room for one small one: the large one can never fit.
+        let one = budget_run(300)?;
+        assert_eq!(one.most_live, 1);
+        let refused = one.ended[&2].as_ref().unwrap_err();
+        assert!(
+            refused.contains("512 KV cache rows, more than the 300"),
+            "{refused}"
+        );
         Ok(())
     }
 
@@ -349,7 +454,7 @@ mod tests {
             }
         }
         let mut failing = Failing(requests(4)?.into_iter(), 0);
-        let e = run(&model, 2, &mut failing).unwrap_err();
+        let e = run(&model, Capacity::sequences(2), &mut failing).unwrap_err();
         assert_eq!(e.to_string(), "disk full");
         assert_eq!(failing.1, 1, "no job ends after the error");
         Ok(())

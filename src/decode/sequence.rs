@@ -1,20 +1,21 @@
 //! One generation as state between forward passes: the decoding loop's body, stepped from outside.
 //!
-//! [`Sequence::start`] prefills the prompt. Then each step is: [`Sequence::emit`] hands the tokens the last
-//! step committed to the caller, stopping exactly where plain decoding would; [`Sequence::plan`] asks the
-//! drafter for a tree (+ probe rows) and lays it out as a block; the caller runs the block through the
-//! model, alone ([`generate_in`](super::generate::generate_in)) or beside other sequences' blocks (a
-//! batch); [`Sequence::verify`] accepts a path, keeps prefix + root + accepted path in the KV cache and
-//! hands the drafter what the step did. Verification, cache compaction, stopping rules and statistics are
-//! written here once.
+//! [`super::prefill`] prefills the prompt (whole, or in chunks beside other sequences' steps) and hands over
+//! a `Sequence`. Then each step is: [`Sequence::emit`] hands the tokens the last step committed to the
+//! caller, stopping exactly where plain decoding would; [`Sequence::plan`] asks the drafter for a tree (+
+//! probe rows) and lays it out as a block; the caller runs the block through the model, alone
+//! ([`generate_in`](super::generate::generate_in)) or beside other sequences' blocks (a batch);
+//! [`Sequence::verify`] accepts a path, keeps prefix + root + accepted path in the KV cache and hands the
+//! drafter what the step did. Verification, cache compaction, stopping rules and statistics are written here
+//! once.
 
-use super::layout::{BlockLayout, LayoutCache, Probe};
+use super::layout::{BlockLayout, LayoutCache};
 use super::sampling::Sampler;
 use super::stats::DecodeStats;
 use super::step::{Draft, Drafter, FinishReason, GenerateParams, Generation, Halt, Step};
 use super::tree::accept;
 use crate::model::{BlockMask, KvCache, Transformer};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use candle_core::Tensor;
 use std::sync::Arc;
 use std::time::Instant;
@@ -63,80 +64,20 @@ pub struct Prefetched {
 }
 
 impl Sequence {
-    /// Prefills `prompt` after what `cache` already holds of it (a conversation's earlier turns) and picks
-    /// the first token; the drafter sees the prompt first. With the row-invariant CPU kernels a reused
-    /// prefix gives the same numbers as prefilling the whole prompt.
-    pub fn start(
-        model: &Transformer,
-        cache: &mut KvCache,
-        prompt: &[u32],
-        drafter: &mut dyn Drafter,
-        params: &GenerateParams,
-    ) -> Result<Sequence> {
-        let ctx = model.config.max_position_embeddings;
-        if prompt.is_empty() {
-            bail!("the prompt is empty");
-        }
-        if prompt.len() >= ctx {
-            bail!(
-                "the prompt is {} tokens, longer than the model's context window of {} tokens",
-                prompt.len(),
-                ctx
-            );
-        }
-        let mut stats = DecodeStats::new(drafter.name());
-        let mut sampler = Sampler::new(params.sampling);
-        // Prefill: [prompt not yet cached | prefill probes], plain causal attention. At least the last
-        // prompt token is fed: its logits give the first token.
-        let probes = drafter.begin(model, prompt)?;
-        stats.cost_curve_timed_seconds = super::cost_cache::take_timing(model).unwrap_or(0.0);
-        // The prefill's clock starts after the drafter's setup, which on a machine's first run includes
-        // timing the cost curve for `--bc auto` (once, then cached): 0.7 s that the stats line showed as
-        // prefill of a 37-token prompt.
-        let t0 = Instant::now();
-        let probes = if prompt.len() + probes <= ctx { probes } else { 0 };
-        cache.truncate(prompt.len() - 1);
-        let reused = cache.len();
-        // Room for the answer and one more block (and the prefill's probes), never more than the
-        // context window needs.
-        let capacity = prompt
-            .len()
-            .saturating_add(params.max_new_tokens)
-            .saturating_add(256)
-            .max(prompt.len() + probes)
-            .min(ctx.saturating_add(256));
-        cache.reserve(capacity)?;
-        let mut x = model.embed(&prompt[reused..])?;
-        if probes > 0 {
-            let p: Vec<Probe> = (1..=probes).map(|offset| Probe { owner: 0, offset }).collect();
-            // Probe vectors are f32; the model's input rows are in its dtype.
-            x = Tensor::cat(&[&x, &drafter.probe_inputs(model, &p)?.to_dtype(x.dtype())?], 0)?;
-        }
-        let positions: Vec<u32> = (reused as u32..(prompt.len() + probes) as u32).collect();
-        let hidden = model.forward(&x, &positions, &BlockMask::Causal, cache)?;
-        let last = prompt.len() - 1 - reused;
-        let rows: Vec<usize> = (last..last + 1 + probes).collect();
-        let logits = model.logits(&hidden, &rows)?.to_vec2::<f32>()?;
-        cache.truncate(prompt.len());
-        let first = sampler.pick(&logits[0]);
-        drafter.observe(
-            model,
-            &Step {
-                accepted: &[],
-                committed: &[first],
-                probe_logits: &logits[1..],
-                replaced: false,
-                seconds: t0.elapsed().as_secs_f64(),
-                remaining: params.max_new_tokens.saturating_sub(1),
-            },
-        )?;
-        stats.prefill_seconds = t0.elapsed().as_secs_f64();
-        stats.prefill_tokens = prompt.len() - reused;
-        Ok(Sequence {
-            params: params.clone(),
+    /// A generation whose prompt is prefilled and whose first token, `first`, is picked.
+    pub(super) fn decoding(
+        params: GenerateParams,
+        sampler: Sampler,
+        stats: DecodeStats,
+        prompt: Vec<u32>,
+        first: u32,
+        ctx: usize,
+    ) -> Sequence {
+        Sequence {
+            params,
             sampler,
             stats,
-            history: prompt.to_vec(),
+            history: prompt,
             generated: Vec::new(),
             pending: vec![first],
             layouts: LayoutCache::new(),
@@ -144,7 +85,7 @@ impl Sequence {
             ctx,
             t_decode: Instant::now(),
             finish: None,
-        })
+        }
     }
 
     /// Hands what the last step committed to `on_token`, stopping exactly where plain decoding would;

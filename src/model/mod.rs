@@ -259,6 +259,19 @@ impl Transformer {
         }
     }
 
+    /// Whether a row's hidden states do not depend on the rows beside it in a block (probespec's kernels,
+    /// not candle's ops): a prompt prefilled in parts, or decoded beside other sequences, gives the bits
+    /// it gets alone.
+    pub fn row_invariant(&self) -> bool {
+        self.ops.row_invariant()
+    }
+
+    /// Bytes one row (position) of a KV cache takes: keys and values of every layer.
+    pub fn kv_bytes_per_row(&self) -> usize {
+        let c = &self.config;
+        2 * c.num_layers * c.num_kv_heads * c.head_dim * self.cache_dtype().size_in_bytes()
+    }
+
     /// Keys and values cached in `dtype` (f32 or bf16) by the CPU kernels, which an f32 model on the CPU
     /// runs (other ops keep their own cache: the model's dtype, or f32 for `--dtype f16/bf16` on the
     /// CPU). Caches made before do not change.

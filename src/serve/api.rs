@@ -7,6 +7,7 @@ use super::error::ApiError;
 use super::fields::{self, Endpoint};
 use crate::decode::generate::GenerateParams;
 use crate::decode::method::{Budget, Method};
+use crate::decode::prefill::{cache_rows, BLOCK_ROOM};
 use crate::decode::sampling::SamplingParams;
 use crate::flags::{MethodArg, MethodArgs, TreeArg};
 use crate::session::Session;
@@ -207,6 +208,8 @@ pub struct Defaults {
     pub method_overrides: bool,
     /// Read special-token strings in message contents as plain text (`--special-tokens-in-content text`).
     pub contents_as_text: bool,
+    /// The KV cache rows the requests decoding together may reserve (`--kv-budget`, in the model's rows).
+    pub kv_rows: Option<usize>,
 }
 
 /// What the decoding thread needs for one request.
@@ -396,6 +399,40 @@ fn encode(session: &Session, text: &str) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
+/// `max_new_tokens` when a request of `prompt_len` tokens reserves no more KV cache rows than `--kv-budget`
+/// gives all requests decoding together: a default answer length is cut to fit, an asked one refused.
+fn within_kv_budget(
+    ctx: usize,
+    prompt_len: usize,
+    max_new_tokens: usize,
+    asked: bool,
+    name: &str,
+    d: &Defaults,
+) -> Result<usize, ApiError> {
+    let Some(budget) = d.kv_rows else {
+        return Ok(max_new_tokens);
+    };
+    if cache_rows(ctx, prompt_len, max_new_tokens) <= budget {
+        return Ok(max_new_tokens);
+    }
+    // The most tokens that fit, if any (the context window does not cap the rows here, or they would fit).
+    let fits = budget.checked_sub(prompt_len + BLOCK_ROOM).filter(|&n| n > 0);
+    match fits {
+        Some(n) if !asked => Ok(n),
+        _ => Err(ApiError::invalid_param(
+            name,
+            format!(
+                "a prompt of {prompt_len} tokens and {name} {max_new_tokens} need {} KV cache rows (a block's room included), more than this server's --kv-budget holds ({budget}); {}",
+                cache_rows(ctx, prompt_len, max_new_tokens),
+                match fits {
+                    Some(n) => format!("ask for {name} {n} or fewer"),
+                    None => "the prompt alone is too long for it".to_string(),
+                }
+            ),
+        )),
+    }
+}
+
 /// The fields both endpoints share, checked against the model's context window.
 fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<Parsed, ApiError> {
     let ctx = session.model.config.max_position_embeddings;
@@ -431,6 +468,7 @@ fn job(c: &Common, prompt: Vec<u32>, session: &Session, d: &Defaults) -> Result<
         }
         Some(n) => n as usize,
     };
+    let max_new_tokens = within_kv_budget(ctx, prompt.len(), max_new_tokens, asked.is_some(), name, d)?;
     let mut sampling = d.sampling;
     if let Some(t) = c.temperature {
         if !(t.is_finite() && (0.0..=2.0).contains(&t)) {

@@ -4,7 +4,9 @@
 //! limits that keep one client from holding it (connections, timeouts).
 
 use super::api::{over_block_cap, Defaults};
+use crate::decode::scheduler::Capacity;
 use crate::flags::{MethodArgs, ModelArgs, SamplingArgs};
+use crate::model::Transformer;
 use anyhow::{bail, Result};
 use clap::{Args, ValueEnum};
 
@@ -57,6 +59,14 @@ pub struct AnswerArgs {
     /// The largest `max_tokens` a request may ask for (default: what the context window leaves).
     #[arg(long)]
     pub max_tokens: Option<usize>,
+    /// MiB the KV caches of the requests decoding together may take (default: no bound but --parallel):
+    /// a request waits until it fits beside the others, and one that can never fit gets a 400.
+    #[arg(long, value_name = "MIB")]
+    pub kv_budget: Option<u64>,
+    /// With --parallel above 1: most prompt rows a step prefills beside the requests decoding, so that
+    /// they keep producing tokens while a long prompt goes in (0: a prompt goes in whole, between steps).
+    #[arg(long, default_value_t = 64, value_name = "ROWS")]
+    pub prefill_chunk: usize,
     /// Refuse a request's `probespec` field (its method and budget) with a 400: every request decodes with
     /// the server's method flags.
     #[arg(long)]
@@ -125,8 +135,8 @@ impl AnswerArgs {
     /// The defaults of every request, checked as one-shot generation checks its flags: the sampling, the
     /// method, and its blocks within `--max-bc`.
     pub fn defaults(&self) -> Result<Defaults> {
-        if self.max_bc == 0 || self.max_tokens == Some(0) {
-            bail!("--max-bc and --max-tokens must be at least 1");
+        if self.max_bc == 0 || self.max_tokens == Some(0) || self.kv_budget == Some(0) {
+            bail!("--max-bc, --max-tokens and --kv-budget must be at least 1");
         }
         let sampling = self.sampling.params()?;
         self.method.method()?.validate()?;
@@ -145,7 +155,23 @@ impl AnswerArgs {
             max_tokens: self.max_tokens,
             method_overrides: !self.no_method_overrides,
             contents_as_text: self.special_tokens_in_content == SpecialTokens::Text,
+            kv_rows: None,
         })
+    }
+
+    /// `--kv-budget` in `model`'s KV cache rows.
+    pub fn kv_rows(&self, model: &Transformer) -> Option<usize> {
+        let bytes = self.kv_budget?.saturating_mul(1 << 20);
+        Some(usize::try_from(bytes / model.kv_bytes_per_row() as u64).unwrap_or(usize::MAX))
+    }
+
+    /// How many requests may decode together (`parallel`) within the KV budget, on `model`.
+    pub fn capacity(&self, parallel: usize, model: &Transformer) -> Capacity {
+        Capacity {
+            sequences: parallel,
+            kv_rows: self.kv_rows(model),
+            prefill_chunk: Some(self.prefill_chunk).filter(|&rows| rows > 0),
+        }
     }
 
     /// Whether a chat answer's thinking goes apart, in `reasoning_content`.

@@ -45,12 +45,14 @@ use std::time::Duration;
 
 /// Loads the model, binds, and serves until Ctrl-C.
 pub fn run(a: &ServeArgs) -> Result<()> {
-    let defaults = a.defaults()?;
+    let mut defaults = a.defaults()?;
     let method = a.answer.method.method()?;
     let api_key = a.api_key()?;
     let session = Arc::new(Session::load(&a.answer.model.options())?);
+    let capacity = a.answer.capacity(a.parallel, &session.model);
+    defaults.kv_rows = capacity.kv_rows;
     let (queue, jobs) = queue::Queue::new(a.queue);
-    worker::start(session.clone(), jobs, queue.counters.clone(), a.parallel)?;
+    worker::start(session.clone(), jobs, queue.counters.clone(), capacity)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -17,7 +17,7 @@ use super::error::ApiError;
 use super::fields::Endpoint;
 use super::respond::Envelope;
 use crate::decode::generate::Generation;
-use crate::decode::scheduler::{self, Jobs, Next, Request};
+use crate::decode::scheduler::{self, Capacity, Jobs, Next, Request};
 use crate::session::Session;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -74,7 +74,7 @@ fn prompt_request(text: &str, system: Option<&str>, chat: bool) -> (Endpoint, Va
 
 /// Runs the file's requests; an error when any failed (after every other is answered and written).
 pub fn run(a: &RunBatchArgs) -> Result<()> {
-    let defaults = a.answer.defaults()?;
+    let mut defaults = a.answer.defaults()?;
     if a.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
@@ -114,6 +114,8 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
         );
     }
     let session = Session::load(&a.answer.model.options())?;
+    let capacity = a.answer.capacity(a.parallel, &session.model);
+    defaults.kv_rows = capacity.kv_rows;
     // The kept answers first (in input order), then each new one as it is written.
     rewrite(&a.output, lines.iter().flatten())?;
     let mut out = std::fs::OpenOptions::new()
@@ -150,7 +152,7 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
         failed: 0,
         tokens: 0,
     };
-    runner.answer_all(a.parallel)?;
+    runner.answer_all(capacity)?;
     let (failed, tokens) = (runner.failed, runner.tokens);
     bar.finish_and_clear();
     drop(out);
@@ -277,9 +279,9 @@ impl<'s> Jobs for Runner<'s, '_> {
 }
 
 impl<'s> Runner<'s, '_> {
-    /// Answers every request to do, up to `parallel` together.
-    fn answer_all(&mut self, parallel: usize) -> Result<()> {
-        scheduler::run(&self.session.model, parallel, self)?;
+    /// Answers every request to do, as many together as `capacity` holds.
+    fn answer_all(&mut self, capacity: Capacity) -> Result<()> {
+        scheduler::run(&self.session.model, capacity, self)?;
         match self.unwritten.take() {
             Some(e) => Err(e),
             None => Ok(()),

@@ -10,7 +10,7 @@ use super::answer::{Answer, TextSink};
 use super::queue::{Counters, Event, Job, Outcome};
 use crate::conversation::PrefixCache;
 use crate::decode::generate::Generation;
-use crate::decode::scheduler::{self, Jobs, Next, Request};
+use crate::decode::scheduler::{self, Capacity, Jobs, Next, Request};
 use crate::session::Session;
 use anyhow::Result;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -20,18 +20,18 @@ use std::sync::Arc;
 use tokio::sync::mpsc::UnboundedSender;
 
 /// Starts the decoding thread on the receiving end of a [`super::queue::Queue`]: one job at a time when
-/// `parallel` is 1, else up to `parallel` decoded together.
+/// `capacity` holds one sequence, else as many as it holds decoded together.
 pub fn start(
     session: Arc<Session>,
     jobs: Receiver<Job>,
     counters: Arc<Counters>,
-    parallel: usize,
+    capacity: Capacity,
 ) -> Result<()> {
     std::thread::Builder::new()
         .name("probespec-decode".into())
-        .spawn(move || match parallel {
+        .spawn(move || match capacity.sequences {
             0 | 1 => run(&session, jobs, &counters),
-            n => run_batched(&session, jobs, &counters, n),
+            _ => run_batched(&session, jobs, &counters, capacity),
         })?;
     Ok(())
 }
@@ -162,16 +162,16 @@ impl<'s> Jobs for Queued<'s> {
     }
 }
 
-/// Runs up to `parallel` jobs together until every submitting end is gone: waiting jobs join between
+/// Runs the jobs `capacity` holds together until every submitting end is gone: waiting jobs join between
 /// steps (each prefilled alone), and each step decodes one block of every job in one forward pass.
-fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, parallel: usize) {
+fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, capacity: Capacity) {
     let mut queued = Queued {
         session,
         jobs,
         counters,
     };
     // `end` never fails here.
-    let _ = scheduler::run(&session.model, parallel, &mut queued);
+    let _ = scheduler::run(&session.model, capacity, &mut queued);
     counters.decoding.store(false, Ordering::SeqCst);
 }
 
