@@ -5,6 +5,7 @@
 
 use super::api::{over_block_cap, Defaults};
 use crate::decode::scheduler::Capacity;
+use crate::decode::{cost_cache, prefill};
 use crate::flags::{MethodArgs, ModelArgs, SamplingArgs};
 use crate::model::Transformer;
 use anyhow::{bail, Result};
@@ -64,9 +65,10 @@ pub struct AnswerArgs {
     #[arg(long, value_name = "MIB")]
     pub kv_budget: Option<u64>,
     /// With --parallel above 1: most prompt rows a step prefills beside the requests decoding, so that
-    /// they keep producing tokens while a long prompt goes in (0: a prompt goes in whole, between steps).
-    #[arg(long, default_value_t = 64, value_name = "ROWS")]
-    pub prefill_chunk: usize,
+    /// they keep producing tokens while a long prompt goes in; auto: as many as keep such a step within
+    /// 0.4 s on this machine (from the forward cost curve); 0: a prompt goes in whole, between steps.
+    #[arg(long, default_value = "auto", value_name = "ROWS|auto", value_parser = parse_prefill_chunk)]
+    pub prefill_chunk: PrefillChunk,
     /// Refuse a request's `probespec` field (its method and budget) with a 400: every request decodes with
     /// the server's method flags.
     #[arg(long)]
@@ -88,6 +90,26 @@ pub struct AnswerArgs {
     #[command(flatten)]
     pub sampling: SamplingArgs,
 }
+
+/// `--prefill-chunk`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillChunk {
+    /// From the forward cost curve ([`prefill::chunk_for`]).
+    Auto,
+    Rows(usize),
+}
+
+fn parse_prefill_chunk(s: &str) -> Result<PrefillChunk, String> {
+    if s == "auto" {
+        return Ok(PrefillChunk::Auto);
+    }
+    s.parse()
+        .map(PrefillChunk::Rows)
+        .map_err(|_| format!("'{s}' is neither a number of rows nor auto"))
+}
+
+/// Prompt rows a step prefills beside decoding requests where the cost curve cannot be had.
+const FALLBACK_CHUNK: usize = 32;
 
 /// How special-token strings in message contents are read (`--special-tokens-in-content`).
 #[derive(ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,12 +187,25 @@ impl AnswerArgs {
         Some(usize::try_from(bytes / model.kv_bytes_per_row() as u64).unwrap_or(usize::MAX))
     }
 
-    /// How many requests may decode together (`parallel`) within the KV budget, on `model`.
+    /// How many requests may decode together (`parallel`) within the KV budget, and how a joining prompt
+    /// goes in beside them, on `model`.
     pub fn capacity(&self, parallel: usize, model: &Transformer) -> Capacity {
+        let prefill_chunk = match self.prefill_chunk {
+            _ if parallel < 2 => None,
+            PrefillChunk::Rows(0) => None,
+            PrefillChunk::Rows(rows) => Some(rows),
+            PrefillChunk::Auto => match cost_cache::curve_for(model) {
+                Ok(curve) => Some(prefill::chunk_for(&curve, parallel)),
+                Err(e) => {
+                    eprintln!("probespec: no forward cost curve ({e:#}); prompts go in {FALLBACK_CHUNK} rows a step");
+                    Some(FALLBACK_CHUNK)
+                }
+            },
+        };
         Capacity {
             sequences: parallel,
             kv_rows: self.kv_rows(model),
-            prefill_chunk: Some(self.prefill_chunk).filter(|&rows| rows > 0),
+            prefill_chunk,
         }
     }
 

@@ -73,8 +73,13 @@ pub fn run(a: &ServeArgs) -> Result<()> {
             body_timeout: Duration::from_secs(a.body_timeout),
             reasoning: a.answer.thinking_apart(),
         };
+        let batching = match (capacity.sequences, capacity.prefill_chunk) {
+            (1, _) => String::new(),
+            (n, Some(rows)) => format!(" | {n} decoded together, prompts in {rows} rows a step"),
+            (n, None) => format!(" | {n} decoded together"),
+        };
         eprintln!(
-            "probespec serve: {} | {} | {} | listening on http://{addr}",
+            "probespec serve: {} | {} | {}{batching} | listening on http://{addr}",
             session.description,
             method.kind(),
             if state.api_key.is_some() {
