@@ -25,7 +25,7 @@
 //! mask's candidates, the chain and trie drafters from [`Rate`]s counted per source and depth.
 
 use super::cost_curve::CostCurve;
-use super::generate::Step;
+use super::generate::{Beside, Step};
 use super::tree::TokenTree;
 use std::sync::Arc;
 
@@ -144,6 +144,8 @@ pub struct Chooser {
     explored: f64,
     /// Speculative blocks in a row (offers and explorations) that committed no draft.
     failed_in_a_row: usize,
+    /// The other sequences of a batched step.
+    beside: Beside,
 }
 
 /// The block chosen for a step, to learn from its verification.
@@ -177,7 +179,15 @@ impl Chooser {
             gained: 0.0,
             explored: 0.0,
             failed_in_a_row: 0,
+            beside: Beside::default(),
         }
+    }
+
+    /// What else the next step carries: its blocks are priced by what they cost the whole step, so
+    /// that a block pays only where the batch's tokens a second gain (the others are slowed by its
+    /// rows too).
+    pub fn beside(&mut self, beside: Beside) {
+        self.beside = beside;
     }
 
     /// The rows of the drafter's exploring block ([`Choice::Explore`]), which the budget prices (2 when
@@ -266,7 +276,7 @@ impl Chooser {
         };
         let measured = step.seconds > 0.0;
         self.spent += if measured { step.seconds } else { priced };
-        if !step.replaced && measured && priced > 0.0 {
+        if !step.replaced && measured && priced > 0.0 && self.beside == Beside::default() {
             self.cost_ratio_sum[class] += (step.seconds / priced).clamp(0.25, 4.0);
             self.cost_steps[class] += 1.0;
         }
@@ -299,7 +309,8 @@ impl Chooser {
                 // few explorations would not (the curve priced them low on this CPU).
                 if p.promised.is_none() {
                     let took = if measured { step.seconds } else { seconds };
-                    self.explored = (self.explored + took - p.plain_seconds).max(0.0);
+                    let slowed = 1.0 + self.beside.sequences as f64;
+                    self.explored = (self.explored + slowed * (took - p.plain_seconds)).max(0.0);
                 }
             }
         }
@@ -315,13 +326,39 @@ impl Chooser {
     /// A block's cost after `context` cached tokens: the curve's, corrected by what such steps took, and
     /// never below a plain step's. A correction learnt from a few noisy steps could price extra rows
     /// below none; a failed block would then count as a gain and fund more of them.
+    ///
+    /// Beside other sequences ([`Chooser::beside`]) a block of `rows` is priced in the time of the
+    /// whole step at every row, T(others + rows), and so that it beats a plain step exactly where the
+    /// step's tokens a second gain: with `a` other sequences committing a token each, as
+    /// (a + 1) T(others + rows) - a T(others + 1).
     fn cost(&self, rows: usize, context: usize) -> f64 {
-        let own = self.curve.cost(rows, context) * self.cost_factor(rows);
+        let step = |rows: usize| {
+            let all = self.beside.rows + rows;
+            self.curve.cost(all, context) * self.correction(all)
+        };
+        let plain = step(1);
         if rows <= 1 {
-            own
-        } else {
-            own.max(self.cost(1, context))
+            return plain;
         }
+        let others = self.beside.sequences as f64;
+        ((others + 1.0) * step(rows) - others * plain).max(plain)
+    }
+
+    /// [`Chooser::cost_factor`] alone; beside other sequences none: a batched step's time holds their
+    /// rows, which change from step to step, so it cannot correct the price of this sequence's rows
+    /// (learnt per size class, it priced 8-row blocks below plain steps and sent them at a loss).
+    fn correction(&self, rows: usize) -> f64 {
+        if self.beside == Beside::default() {
+            self.cost_factor(rows)
+        } else {
+            1.0
+        }
+    }
+
+    /// The cost class and the curve's seconds of a step in which this sequence sends `rows`.
+    fn priced(&self, rows: usize, context: usize) -> (usize, f64) {
+        let all = self.beside.rows + rows;
+        (cost_class(all), self.curve.cost(all, context))
     }
 
     /// Expected committed tokens per second of `offer` after `context` cached tokens.
@@ -343,7 +380,7 @@ impl Chooser {
     /// asks again). With nothing on offer the step is plain and no exploration is owed.
     pub fn choose(&mut self, context: usize, offers: &[Offer]) -> Choice {
         self.pending = None;
-        self.last_priced = Some((cost_class(1), self.curve.cost(1, context)));
+        self.last_priced = Some(self.priced(1, context));
         if offers.is_empty() {
             return Choice::Plain;
         }
@@ -373,7 +410,7 @@ impl Chooser {
                 (self.explore_rows, None)
             }
         };
-        self.last_priced = Some((cost_class(rows), self.curve.cost(rows, context)));
+        self.last_priced = Some(self.priced(rows, context));
         self.pending = Some(Pending {
             promised,
             class: size_class(rows),

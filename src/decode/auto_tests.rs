@@ -441,3 +441,28 @@ fn an_offer_must_beat_plain_decoding_by_the_margin() {
     assert_eq!(c.choose(64, &edge(1.5 * OFFER_MARGIN)), Choice::Offer(0));
     assert!(c.would_speculate(64, &edge(1.5 * OFFER_MARGIN)));
 }
+
+/// Beside 7 other sequences a block is priced by what it costs the whole step: an offer that pays alone
+/// (2 tokens in 4 rows, each row 10% of a plain step) does not pay where each extra row slows 8
+/// sequences, and one that commits 7 tokens in 4 rows still does; alone again, the first pays again.
+#[test]
+fn beside_other_sequences_a_block_pays_only_by_the_whole_steps_tokens() {
+    // A step of r rows costs 1 + 0.1 (r - 1).
+    let linear = |_: usize, r: usize| 1.0 + 0.1 * (r as f64 - 1.0);
+    let pays_alone = [Offer { rows: 4, tokens: 2.0 }];
+    let pays_anyway = [Offer { rows: 4, tokens: 7.0 }];
+    let mut alone = chooser(linear);
+    assert_eq!(alone.choose(100, &pays_alone), Choice::Offer(0));
+    let mut batched = chooser(linear);
+    batched.beside(Beside {
+        rows: 7,
+        sequences: 7,
+    });
+    // 7 + 2 tokens in a step of 11 rows (2.0) against 8 in one of 8 (1.7): 4.5 against 4.7 a second.
+    // Priced alone the block would win (2 / 1.3 against 1 / 1).
+    assert_eq!(batched.choose(100, &pays_alone), Choice::Plain);
+    // 7 + 7 tokens in 2.0 against 8 in 1.7.
+    assert_eq!(batched.choose(100, &pays_anyway), Choice::Offer(0));
+    batched.beside(Beside::default());
+    assert_eq!(batched.choose(100, &pays_alone), Choice::Offer(0));
+}

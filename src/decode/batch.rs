@@ -59,7 +59,7 @@
 
 use super::prefill::{Prefill, PrefillChunk};
 use super::sequence::{Block, Prefetched, Sequence};
-use super::step::{Drafter, GenerateParams, Generation};
+use super::step::{Beside, Drafter, GenerateParams, Generation};
 use crate::model::{KvCache, SequenceBlock, Transformer};
 use anyhow::Result;
 use candle_core::Tensor;
@@ -81,6 +81,8 @@ struct Member {
     work: Work,
     cache: KvCache,
     drafter: Box<dyn Drafter>,
+    /// Rows it sent in the last step.
+    last_rows: usize,
 }
 
 /// What a member sends in a step.
@@ -148,6 +150,7 @@ impl<'m> Batch<'m> {
             work,
             cache,
             drafter,
+            last_rows: 0,
         });
         Ok(id)
     }
@@ -247,23 +250,48 @@ impl<'m> Batch<'m> {
     /// none does).
     fn plan(&mut self) -> Result<Vec<Planned>> {
         let model = self.model;
-        let decoding = self.members.iter().any(|m| matches!(m.work, Work::Decoding(_)));
+        let decoding = self
+            .members
+            .iter()
+            .filter(|m| matches!(m.work, Work::Decoding(_)))
+            .count();
         let mut prefill_rows = match self.prefill_chunk {
-            Some(rows) if decoding => rows,
+            Some(rows) if decoding > 0 => rows,
             _ => usize::MAX,
         };
-        self.members
-            .iter_mut()
-            .map(|m| match &mut m.work {
-                Work::Decoding(seq) => Ok(Planned::Decode(seq.plan(model, &m.cache, m.drafter.as_mut())?)),
-                Work::Prefilling(_) if prefill_rows == 0 => Ok(Planned::Nothing),
+        // The rows of the step before stand for the others' rows in this one (a decoding sequence sends
+        // one at least).
+        let rows_of = |m: &Member| match m.work {
+            Work::Decoding(_) => m.last_rows.max(1),
+            Work::Prefilling(_) => m.last_rows,
+        };
+        let all_rows: usize = self.members.iter().map(rows_of).sum();
+        let mut planned = Vec::with_capacity(self.members.len());
+        for m in self.members.iter_mut() {
+            let rows = rows_of(m);
+            let p = match &mut m.work {
+                Work::Decoding(seq) => {
+                    m.drafter.beside(Beside {
+                        rows: all_rows - rows,
+                        sequences: decoding - 1,
+                    });
+                    Planned::Decode(seq.plan(model, &m.cache, m.drafter.as_mut())?)
+                }
+                Work::Prefilling(_) if prefill_rows == 0 => Planned::Nothing,
                 Work::Prefilling(prefill) => {
                     let chunk = prefill.chunk(model, m.drafter.as_ref(), prefill_rows)?;
                     prefill_rows = prefill_rows.saturating_sub(prefill.left().min(prefill_rows));
-                    Ok(Planned::Prefill(chunk))
+                    Planned::Prefill(chunk)
                 }
-            })
-            .collect()
+            };
+            m.last_rows = match &p {
+                Planned::Nothing => 0,
+                Planned::Prefill(c) => c.positions.len(),
+                Planned::Decode(b) => b.positions.len(),
+            };
+            planned.push(p);
+        }
+        Ok(planned)
     }
 
     /// Every decoding sequence's first vocabulary projection ([`Block::first_rows`]) as one product over

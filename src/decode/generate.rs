@@ -5,7 +5,7 @@
 //! logits back to the drafter }. The steps' bodies are [`Sequence`](super::sequence::Sequence)'s, which a batch steps the same way
 //! beside other sequences; the loop's types are [`super::step`]'s, re-exported here.
 
-pub use super::step::{Draft, Drafter, FinishReason, GenerateParams, Generation, Halt, Step};
+pub use super::step::{Beside, Draft, Drafter, FinishReason, GenerateParams, Generation, Halt, Step};
 use crate::model::{KvCache, Transformer};
 use anyhow::Result;
 use std::time::Instant;

@@ -46,6 +46,19 @@ pub trait Drafter {
     fn probe_owner(&self, deepest: usize) -> usize {
         deepest
     }
+    /// What else the next step's forward pass carries (a batch's other sequences), for `--bc auto`'s
+    /// prices; nothing unless told.
+    fn beside(&mut self, _beside: Beside) {}
+}
+
+/// The other sequences' part of a batched step: a block's rows slow all of them, so `--bc auto` prices
+/// its extra rows by what they cost the whole step ([`crate::decode::auto::Chooser::beside`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Beside {
+    /// Rows the other sequences send.
+    pub rows: usize,
+    /// Sequences decoding beside this one, each committing at least a token a step.
+    pub sequences: usize,
 }
 
 /// What one decoding step did, as its drafter sees it.

@@ -6,7 +6,7 @@ use super::candidates::{dynamic_tree, static_tree, Candidates};
 use crate::decode::auto::{Choice, Chooser, Offer};
 use crate::decode::budget::rows_for;
 use crate::decode::cost_cache::curve_for;
-use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::generate::{Beside, Draft, Drafter, Step};
 use crate::decode::kind::MethodKind;
 use crate::decode::layout::{esp_probes, Probe};
 use crate::decode::sampling::top_candidates;
@@ -354,6 +354,12 @@ impl Esp {
 }
 
 impl Drafter for Esp {
+    fn beside(&mut self, beside: Beside) {
+        if let Some(a) = &mut self.auto {
+            a.chooser.beside(beside);
+        }
+    }
+
     fn name(&self) -> MethodKind {
         MethodKind::Esp
     }

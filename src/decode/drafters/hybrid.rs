@@ -39,7 +39,7 @@ use crate::decode::auto::{
 use crate::decode::budget::{nodes_within, rows_for, MAX_BC};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
-use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::generate::{Beside, Draft, Drafter, Step};
 use crate::decode::kind::MethodKind;
 use crate::decode::layout::{esp_probes, Probe};
 use crate::decode::tree::TokenTree;
@@ -314,6 +314,12 @@ impl Hybrid {
 }
 
 impl Drafter for Hybrid {
+    fn beside(&mut self, beside: Beside) {
+        if let Some(a) = &mut self.auto {
+            a.beside(beside);
+        }
+    }
+
     fn name(&self) -> MethodKind {
         MethodKind::Hybrid
     }

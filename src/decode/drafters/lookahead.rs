@@ -47,7 +47,7 @@ use crate::decode::auto::{
 };
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
-use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::generate::{Beside, Draft, Drafter, Step};
 use crate::decode::kind::MethodKind;
 use crate::decode::layout::Probe;
 use crate::decode::sampling::argmax;
@@ -395,6 +395,12 @@ impl Lookahead {
 }
 
 impl Drafter for Lookahead {
+    fn beside(&mut self, beside: Beside) {
+        if let Some(a) = &mut self.auto {
+            a.chooser.beside(beside);
+        }
+    }
+
     fn name(&self) -> MethodKind {
         MethodKind::Lookahead
     }

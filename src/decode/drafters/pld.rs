@@ -17,7 +17,7 @@ use super::ngram;
 use crate::decode::auto::{chain_rates, prefix_offers, Choice, Chooser, Rate};
 use crate::decode::check_flag;
 use crate::decode::cost_cache::curve_for;
-use crate::decode::generate::{Draft, Drafter, Step};
+use crate::decode::generate::{Beside, Draft, Drafter, Step};
 use crate::decode::kind::MethodKind;
 use crate::decode::layout::Probe;
 use crate::decode::tree::TokenTree;
@@ -137,6 +137,12 @@ pub fn pld_chain(root: u32, history: &[u32], max_ngram: usize, draft_len: usize)
 }
 
 impl Drafter for Pld {
+    fn beside(&mut self, beside: Beside) {
+        if let Some(a) = &mut self.auto {
+            a.chooser.beside(beside);
+        }
+    }
+
     fn name(&self) -> MethodKind {
         MethodKind::Pld
     }
