@@ -6,7 +6,9 @@
 # probespec's answers at 1 client are checked against the one-shot CLI's and every later run against
 # those; llama-server's against its own answers at 1 client (its answers change with what else is in the
 # batch).
-#   scripts/serve-batch.sh [OUT_DIR]   (env: GGUF, CONCURRENCY, TOTAL, MAX_TOKENS, PARALLEL, THREADS, METHOD)
+# SPEC_BENCH=1 sends the first turns of the bundled Spec-Bench questions instead of serve-load.py's short tasks.
+#   scripts/serve-batch.sh [OUT_DIR]   (env: GGUF, CONCURRENCY, TOTAL, MAX_TOKENS, PARALLEL, THREADS, METHOD,
+#   SPEC_BENCH)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-serve-batch-out}
@@ -18,6 +20,7 @@ MAX_TOKENS=${MAX_TOKENS:-64}
 PARALLEL=${PARALLEL:-8}
 THREADS=${THREADS:-2}
 METHOD=${METHOD:-ar}
+SPEC_BENCH=${SPEC_BENCH:-}
 LLAMA_SERVER=${LLAMA_SERVER:-$HOME/.cache/llamacpp-tools/bin/llama-server}
 PROBESPEC=target/release/probespec
 
@@ -25,7 +28,7 @@ PROBESPEC=target/release/probespec
 [ -x "$PROBESPEC" ] || cargo build --release
 [ -x "$LLAMA_SERVER" ] || { echo "no llama-server at $LLAMA_SERVER: run scripts/llamacpp-tools.sh" >&2; exit 1; }
 
-python3 scripts/provenance.py "$OUT/results.jsonl" "GGUF=$GGUF CONCURRENCY='$CONCURRENCY' TOTAL=$TOTAL MAX_TOKENS=$MAX_TOKENS PARALLEL=$PARALLEL THREADS=$THREADS METHOD=$METHOD scripts/serve-batch.sh"
+python3 scripts/provenance.py "$OUT/results.jsonl" "GGUF=$GGUF CONCURRENCY='$CONCURRENCY' TOTAL=$TOTAL MAX_TOKENS=$MAX_TOKENS PARALLEL=$PARALLEL THREADS=$THREADS METHOD=$METHOD${SPEC_BENCH:+ SPEC_BENCH=1} scripts/serve-batch.sh"
 
 wait_health() {
   for _ in $(seq 900); do
@@ -42,7 +45,8 @@ run() { # label port clients log -- server command...
   local pid=$!
   if wait_health "http://127.0.0.1:$port"; then
     python3 scripts/serve-load.py --url "http://127.0.0.1:$port" --label "$label" --clients "$clients" \
-      --requests $((TOTAL / clients)) --max-tokens "$MAX_TOKENS" "${CHECK[@]}" | tee -a "$OUT/results.jsonl" || true
+      --requests $((TOTAL / clients)) --max-tokens "$MAX_TOKENS" ${SPEC_BENCH:+--spec-bench} "${CHECK[@]}" \
+      | tee -a "$OUT/results.jsonl" || true
   fi
   kill "$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true

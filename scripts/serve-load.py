@@ -13,6 +13,7 @@ CLI's (--cli: `probespec --json` on the same prompt) or against a saved run of t
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -121,8 +122,15 @@ def main():
     ap.add_argument("--save", help="write the answers (prompt -> text) to this file")
     ap.add_argument("--check", help="check every answer against answers saved by --save")
     ap.add_argument("--extra-body", default="{}", help="JSON merged into every request body")
+    ap.add_argument("--spec-bench", action="store_true",
+                    help="the first turns of the bundled Spec-Bench questions instead of the short tasks")
     a = ap.parse_args()
     extra = json.loads(a.extra_body)
+    if a.spec_bench:
+        questions = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "data", "spec_bench",
+                                 "question.jsonl")
+        with open(questions) as f:
+            PROMPTS[:] = [json.loads(line)["turns"][0] for line in f if line.strip()]
 
     # One warm-up request (model caches, cost curves) outside the measurement.
     one_request(a.url, PROMPTS[0], a.max_tokens, extra)
