@@ -98,21 +98,22 @@ fn batched_chunked(
     Ok(done)
 }
 
+/// A small model of the Llama-3.2-1B kind on candle's tensors (one sequence after another in a batch).
+fn small_tensors_model() -> Result<Transformer> {
+    let mut c = shape_config("llama3.2-1b")?;
+    (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (64, 128, 2, 16);
+    (c.num_heads, c.num_kv_heads) = (4, 2);
+    (c.vocab_size, c.max_position_embeddings) = (300, 256);
+    random_model(c, &Device::Cpu, DType::F32)
+}
+
 /// Every method beside every other, joining at different steps, on the flat layers (one forward pass for
 /// all) and on candle's tensors (one after another): each answer is its answer alone.
 #[test]
 fn every_answer_in_a_batch_is_its_answer_alone() -> Result<()> {
     let flat = packed_model("qwen3-0.6b", GgmlDType::Q4K)?;
     assert!(flat.flat_layers());
-    let mut c = shape_config("llama3.2-1b")?;
-    (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (64, 128, 2, 16);
-    (
-        c.num_heads,
-        c.num_kv_heads,
-        c.vocab_size,
-        c.max_position_embeddings,
-    ) = (4, 2, 300, 256);
-    let tensors = random_model(c, &Device::Cpu, DType::F32)?;
+    let tensors = small_tensors_model()?;
     for model in [&flat, &tensors] {
         for sampling in [
             SamplingParams::default(),
@@ -222,15 +223,7 @@ fn cancelled_and_failed_sequences_leave_the_others_alone() -> Result<()> {
 #[test]
 fn prompts_prefilled_in_chunks_give_the_answers_alone() -> Result<()> {
     let flat = packed_model("qwen3-0.6b", GgmlDType::Q4K)?;
-    let mut c = shape_config("llama3.2-1b")?;
-    (c.hidden_size, c.intermediate_size, c.num_layers, c.head_dim) = (64, 128, 2, 16);
-    (
-        c.num_heads,
-        c.num_kv_heads,
-        c.vocab_size,
-        c.max_position_embeddings,
-    ) = (4, 2, 300, 256);
-    let tensors = random_model(c, &Device::Cpu, DType::F32)?;
+    let tensors = small_tensors_model()?;
     let long: Vec<Vec<u32>> = [41usize, 23]
         .iter()
         .map(|&n| (0..n).map(|i| (i * 11 % 37) as u32 + 20).collect())

@@ -290,6 +290,19 @@ mod tests {
         most_live: usize,
     }
 
+    impl Arrivals {
+        /// `waiting` arrives from its end.
+        fn new(waiting: Vec<(usize, Result<Request>)>) -> Self {
+            Arrivals {
+                waiting,
+                tokens: HashMap::new(),
+                ended: HashMap::new(),
+                live: HashSet::new(),
+                most_live: 0,
+            }
+        }
+    }
+
     impl Jobs for Arrivals {
         type Job = usize;
         fn next(&mut self, _wait: bool) -> Next<usize> {
@@ -339,13 +352,7 @@ mod tests {
         }
         waiting.push((99, Err(anyhow!("no such model"))));
         waiting.reverse();
-        let mut arrivals = Arrivals {
-            waiting,
-            tokens: HashMap::new(),
-            ended: HashMap::new(),
-            live: HashSet::new(),
-            most_live: 0,
-        };
+        let mut arrivals = Arrivals::new(waiting);
         run(&model, Capacity::sequences(3), &mut arrivals)?;
         assert_eq!(arrivals.most_live, 3, "never more than --parallel, and that many");
         for (i, p) in prompts.iter().enumerate() {
@@ -374,13 +381,7 @@ mod tests {
             waiting.push((i, Ok(request)));
         }
         waiting.reverse();
-        let mut arrivals = Arrivals {
-            waiting,
-            tokens: HashMap::new(),
-            ended: HashMap::new(),
-            live: HashSet::new(),
-            most_live: 0,
-        };
+        let mut arrivals = Arrivals::new(waiting);
         let capacity = Capacity {
             sequences: 4,
             kv_rows: Some(kv_rows),
