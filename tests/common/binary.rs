@@ -37,10 +37,20 @@ pub fn run(cmd: &mut Command, stdin: Option<&[u8]>) -> Run {
         cmd.stdin(Stdio::piped());
     }
     let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-    if let Some(bytes) = stdin {
-        child.stdin.take().unwrap().write_all(bytes).unwrap();
-    }
+    // Fed from a thread, so that a child writing much before it reads cannot block on us; a child that
+    // exits without reading (a refused invocation) closes the pipe, which is no failure of the run.
+    let feeder = stdin.map(|bytes| {
+        let mut pipe = child.stdin.take().unwrap();
+        let bytes = bytes.to_vec();
+        std::thread::spawn(move || match pipe.write_all(&bytes) {
+            Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => panic!("cannot feed stdin: {e}"),
+            _ => {}
+        })
+    });
     let out = child.wait_with_output().unwrap();
+    if let Some(f) = feeder {
+        f.join().unwrap();
+    }
     Run {
         stdout: String::from_utf8(out.stdout)
             .unwrap_or_else(|e| panic!("{args:?}: stdout is not UTF-8: {e}")),
