@@ -11,6 +11,7 @@
 //! with every request.
 
 use crate::decode::generate::{generate_in, Drafter, GenerateParams, Generation};
+use crate::decode::prefill::common_prefix;
 use crate::model::{KvCache, Transformer};
 use crate::tokenizer::{Message, TextTokenizer};
 use anyhow::{bail, Result};
@@ -151,23 +152,5 @@ impl<'a> Conversation<'a> {
             prompt_tokens: prompt.len(),
             reused_tokens: reused,
         })
-    }
-}
-
-/// Length of the longest common prefix.
-fn common_prefix(a: &[u32], b: &[u32]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::common_prefix;
-
-    #[test]
-    fn common_prefix_lengths() {
-        assert_eq!(common_prefix(&[], &[1, 2]), 0);
-        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2]), 2);
-        assert_eq!(common_prefix(&[1, 2, 3], &[1, 5, 3]), 1);
-        assert_eq!(common_prefix(&[4], &[1]), 0);
     }
 }

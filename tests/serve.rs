@@ -418,8 +418,20 @@ fn stop_strings_cut_the_answer() {
 /// turn's tokens from the cache and still answers as a fresh generation would.
 #[test]
 fn a_second_turn_reuses_the_cache() {
+    a_second_turn_reuses_the_cache_with(&[]);
+}
+
+/// The same, requests decoded together: the second turn takes the first's cache when it ended.
+#[test]
+fn a_second_turn_reuses_the_cache_beside_others() {
+    a_second_turn_reuses_the_cache_with(&["--parallel", "4"]);
+}
+
+fn a_second_turn_reuses_the_cache_with(flags: &[&str]) {
     let (dir, l) = tiny();
-    let s = Server::start(&["--model", dir.path().to_str().unwrap()]);
+    let mut args = vec!["--model", dir.path().to_str().unwrap()];
+    args.extend(flags);
+    let s = Server::start(&args);
     let mut messages = vec![Message::new("system", "w5"), Message::new("user", "w60 w61 w62")];
     let first = s.ok(
         "/v1/chat/completions",

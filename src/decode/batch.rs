@@ -99,6 +99,15 @@ pub struct Batch<'m> {
     next_id: SequenceId,
     /// Most prompt rows a step prefills beside decoding sequences (`None`: a prompt goes in whole).
     prefill_chunk: Option<usize>,
+    /// The caches of the generations that ended, kept for [`Batch::take_retired`] (`None`: dropped).
+    retired: Option<Vec<Retired>>,
+}
+
+/// The cache of a generation that ended and the tokens it holds (prompt and answer), for a later
+/// prompt that starts with them ([`Batch::join_reusing`]).
+pub struct Retired {
+    pub tokens: Vec<u32>,
+    pub cache: KvCache,
 }
 
 impl<'m> Batch<'m> {
@@ -108,7 +117,20 @@ impl<'m> Batch<'m> {
             members: Vec::new(),
             next_id: 0,
             prefill_chunk: None,
+            retired: None,
         }
+    }
+
+    /// Keeps the caches of the generations that end (normally or cancelled) for
+    /// [`Batch::take_retired`].
+    pub fn keeping_caches(mut self) -> Self {
+        self.retired = Some(Vec::new());
+        self
+    }
+
+    /// The caches of the generations that ended since the last call.
+    pub fn take_retired(&mut self) -> Vec<Retired> {
+        self.retired.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     /// Prompts that join go in a step at a time beside the decoding sequences, at most `rows` prompt
@@ -134,10 +156,23 @@ impl<'m> Batch<'m> {
     pub fn join(
         &mut self,
         prompt: &[u32],
-        mut drafter: Box<dyn Drafter>,
+        drafter: Box<dyn Drafter>,
         params: &GenerateParams,
     ) -> Result<SequenceId> {
-        let mut cache = self.model.new_cache(0)?;
+        let cache = self.model.new_cache(0)?;
+        self.join_reusing(prompt, drafter, params, cache)
+    }
+
+    /// [`Batch::join`] into `cache`, which holds the keys and values of a prefix of `prompt` (a retired
+    /// generation's, cut to what it shares with the prompt): only the rest is prefilled. With the
+    /// row-invariant kernels the answer is the one a whole prefill gives.
+    pub fn join_reusing(
+        &mut self,
+        prompt: &[u32],
+        mut drafter: Box<dyn Drafter>,
+        params: &GenerateParams,
+        mut cache: KvCache,
+    ) -> Result<SequenceId> {
         let prefill = Prefill::begin(self.model, &mut cache, prompt, drafter.as_mut(), params)?;
         let work = match self.prefill_chunk {
             Some(_) => Work::Prefilling(Box::new(prefill)),
@@ -159,7 +194,8 @@ impl<'m> Batch<'m> {
     /// `None` when it is not in the batch.
     pub fn cancel(&mut self, id: SequenceId) -> Option<Generation> {
         let i = self.members.iter().position(|m| m.id == id)?;
-        Some(self.members.remove(i).end())
+        let m = self.members.remove(i);
+        Some(self.retire(m))
     }
 
     /// One step: hands every sequence's committed tokens to `on_token(id, token)`, removes the sequences
@@ -181,7 +217,10 @@ impl<'m> Batch<'m> {
             };
             match seq.emit(&mut |t| on_token(id, t)) {
                 Ok(None) => i += 1,
-                Ok(Some(_)) => ended.push((id, Ok(self.members.remove(i).end()))),
+                Ok(Some(_)) => {
+                    let m = self.members.remove(i);
+                    ended.push((id, Ok(self.retire(m))));
+                }
                 Err(e) => {
                     self.members.remove(i);
                     ended.push((id, Err(e)));
@@ -330,11 +369,22 @@ impl<'m> Batch<'m> {
     }
 }
 
-impl Member {
-    /// Its generation, where it is.
-    fn end(mut self) -> Generation {
-        match self.work {
-            Work::Decoding(seq) => seq.finish(&mut self.cache),
+impl Batch<'_> {
+    /// The generation of `m`, where it is; its cache kept when caches are.
+    fn retire(&mut self, mut m: Member) -> Generation {
+        match m.work {
+            Work::Decoding(seq) => {
+                let mut tokens = seq.history().to_vec();
+                let generation = seq.finish(&mut m.cache);
+                if let Some(retired) = &mut self.retired {
+                    tokens.truncate(m.cache.len());
+                    retired.push(Retired {
+                        tokens,
+                        cache: m.cache,
+                    });
+                }
+                generation
+            }
             Work::Prefilling(prefill) => prefill.abandon(),
         }
     }

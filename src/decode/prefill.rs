@@ -49,6 +49,11 @@ pub fn chunk_for(curve: &CostCurve, decoding: usize) -> usize {
         .unwrap_or(8)
 }
 
+/// How many tokens `a` and `b` share from their starts.
+pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// Prefills `prompt` whole after what `cache` already holds of it (a conversation's earlier turns) and
 /// picks the first token; the drafter sees the prompt first. With the row-invariant CPU kernels a reused
 /// prefix gives the same numbers as prefilling the whole prompt.
@@ -235,6 +240,14 @@ impl Prefill {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn common_prefix_lengths() {
+        assert_eq!(common_prefix(&[], &[1, 2]), 0);
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 2]), 2);
+        assert_eq!(common_prefix(&[1, 2, 3], &[1, 5, 3]), 1);
+        assert_eq!(common_prefix(&[4], &[1]), 0);
+    }
 
     #[test]
     fn the_chunk_keeps_a_step_within_its_time() {

@@ -53,8 +53,8 @@
 //! # }
 //! ```
 
-use super::batch::{Batch, SequenceId};
-use super::prefill::cache_rows;
+use super::batch::{Batch, Retired, SequenceId};
+use super::prefill::{cache_rows, common_prefix};
 use super::step::{Drafter, GenerateParams, Generation, Halt};
 use crate::model::Transformer;
 use anyhow::{anyhow, Result};
@@ -131,8 +131,20 @@ pub fn request_rows(model: &Transformer, request: &Request) -> usize {
 /// ended; an error only from [`Jobs::end`]. A job whose cache would overflow `capacity.kv_rows` waits
 /// (and the jobs after it) until others end; one that could never fit fails.
 pub fn run<J: Jobs>(model: &Transformer, capacity: Capacity, jobs: &mut J) -> Result<()> {
-    let new_batch = || Batch::new(model).with_prefill_chunk(capacity.prefill_chunk);
+    // Retired caches are reused only where a prompt after a cached prefix gives the bits of a whole one.
+    let reuse = model.row_invariant();
+    let new_batch = || {
+        let batch = Batch::new(model).with_prefill_chunk(capacity.prefill_chunk);
+        if reuse {
+            batch.keeping_caches()
+        } else {
+            batch
+        }
+    };
     let mut batch = new_batch();
+    // The caches of generations that ended, oldest first: a later prompt that starts with one's tokens
+    // (a conversation's next turn) prefills only the rest.
+    let mut pool: Vec<Retired> = Vec::new();
     // Each active job and the cache rows it reserved.
     let mut active: HashMap<SequenceId, (J::Job, usize)> = HashMap::new();
     let mut waiting: Option<(J::Job, Request)> = None;
@@ -152,7 +164,7 @@ pub fn run<J: Jobs>(model: &Transformer, capacity: Capacity, jobs: &mut J) -> Re
                     }
                 },
             };
-            let rows = request_rows(model, &request);
+            let mut rows = request_rows(model, &request);
             if let Some(budget) = capacity.kv_rows {
                 if rows > budget {
                     let why = anyhow!("it needs {rows} KV cache rows, more than the {budget} all may hold");
@@ -160,13 +172,32 @@ pub fn run<J: Jobs>(model: &Transformer, capacity: Capacity, jobs: &mut J) -> Re
                     continue;
                 }
                 let reserved: usize = active.values().map(|(_, r)| r).sum();
+                // Retired caches give way to the jobs.
+                while reserved + pooled_rows(&pool) + rows > budget && !pool.is_empty() {
+                    pool.remove(0);
+                }
                 if reserved + rows > budget {
                     waiting = Some((job, request));
                     break;
                 }
             }
+            let cache = match longest_prefix(&pool, &request.prompt) {
+                Some((i, shared)) => {
+                    let mut retired = pool.remove(i);
+                    retired.cache.truncate(shared);
+                    rows = rows.max(retired.cache.capacity());
+                    retired.cache
+                }
+                None => match model.new_cache(0) {
+                    Ok(cache) => cache,
+                    Err(e) => {
+                        jobs.end(job, Err(e))?;
+                        continue;
+                    }
+                },
+            };
             let joined = catch_unwind(AssertUnwindSafe(|| {
-                batch.join(&request.prompt, request.drafter, &request.params)
+                batch.join_reusing(&request.prompt, request.drafter, &request.params, cache)
             }));
             match joined {
                 Ok(Ok(id)) => {
@@ -187,6 +218,11 @@ pub fn run<J: Jobs>(model: &Transformer, capacity: Capacity, jobs: &mut J) -> Re
         }));
         match step {
             Ok(Ok(ended)) => {
+                pool.extend(batch.take_retired());
+                let most = capacity.sequences.max(1);
+                if pool.len() > most {
+                    pool.drain(..pool.len() - most);
+                }
                 for (id, generation) in ended {
                     if let Some((job, _)) = active.remove(&id) {
                         jobs.end(job, generation)?;
@@ -199,12 +235,27 @@ pub fn run<J: Jobs>(model: &Transformer, capacity: Capacity, jobs: &mut J) -> Re
                     _ => "the generation panicked".to_string(),
                 };
                 batch = new_batch();
+                pool.clear();
                 for (_, (job, _)) in active.drain() {
                     jobs.end(job, Err(anyhow!("{why}")))?;
                 }
             }
         }
     }
+}
+
+/// KV cache rows the retired caches hold.
+fn pooled_rows(pool: &[Retired]) -> usize {
+    pool.iter().map(|r| r.cache.capacity()).sum()
+}
+
+/// The retired cache that shares the most tokens with `prompt` (the latest of equals), and how many.
+fn longest_prefix(pool: &[Retired], prompt: &[u32]) -> Option<(usize, usize)> {
+    pool.iter()
+        .enumerate()
+        .map(|(i, r)| (i, common_prefix(&r.tokens, prompt)))
+        .filter(|&(_, shared)| shared > 0)
+        .max_by_key(|&(i, shared)| (shared, i))
 }
 
 /// Decodes `requests`, up to `parallel` together, handing each committed token to `on_token(index,
@@ -411,6 +462,51 @@ mod tests {
             refused.contains("512 KV cache rows, more than the 300"),
             "{refused}"
         );
+        Ok(())
+    }
+
+    /// A job whose prompt starts with an ended job's prompt and answer (a conversation's next turn)
+    /// prefills only the rest, into that job's cache, and gets the answer a whole prefill gives; one
+    /// that shares nothing prefills all of its prompt.
+    #[test]
+    fn a_next_turn_reuses_the_cache_of_the_turn_before() -> Result<()> {
+        let model = tiny_model()?;
+        assert!(model.row_invariant());
+        let first: Vec<u32> = (4..14).collect();
+        let alone = |prompt: &[u32], n: usize| -> Result<Generation> {
+            generate(
+                &model,
+                prompt,
+                Method::Ar.drafter(0)?.as_mut(),
+                &params(n),
+                &mut |_| Ok(()),
+            )
+        };
+        let answer = alone(&first, 8)?.tokens;
+        let mut second = first.clone();
+        second.extend(&answer);
+        second.extend([50, 51, 52]);
+        let other: Vec<u32> = (60..75).collect();
+        let requests = [(&first, 8), (&second, 12), (&other, 6)]
+            .iter()
+            .map(|&(p, n)| {
+                Ok(Request {
+                    prompt: p.clone(),
+                    drafter: Method::Pld(PldConfig::default()).drafter(0)?,
+                    params: params(n),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ended = generate_all(&model, requests, 1, &mut |_, _| Ok(()))?;
+        let [g1, g2, g3] = <[_; 3]>::try_from(ended).ok().expect("three generations");
+        let (g1, g2, g3) = (g1?, g2?, g3?);
+        assert_eq!(g1.tokens, answer);
+        assert_eq!(g2.tokens, alone(&second, 12)?.tokens);
+        assert_eq!(g3.tokens, alone(&other, 6)?.tokens);
+        // The first turn's cache holds its prompt and its answer but the last token (never fed).
+        let cached = first.len() + answer.len() - 1;
+        assert_eq!(g2.stats.prefill_tokens, second.len() - cached);
+        assert_eq!(g3.stats.prefill_tokens, other.len());
         Ok(())
     }
 

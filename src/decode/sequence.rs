@@ -88,6 +88,11 @@ impl Sequence {
         }
     }
 
+    /// The prompt and the tokens handed out so far.
+    pub fn history(&self) -> &[u32] {
+        &self.history
+    }
+
     /// Hands what the last step committed to `on_token`, stopping exactly where plain decoding would;
     /// returns why the generation ended, if it did (then it takes no more steps). `on_token` may end it
     /// after a token by returning [`Halt`].

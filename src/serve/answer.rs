@@ -47,6 +47,11 @@ impl<'a> Answer<'a> {
         }
     }
 
+    /// Prompt tokens whose keys and values `generation` did not compute (a cache held them).
+    pub fn cached_tokens(&self, generation: &Generation) -> usize {
+        self.prompt_tokens.saturating_sub(generation.stats.prefill_tokens)
+    }
+
     /// Sends `piece` to the client; false when it is gone.
     fn send(&mut self, piece: String) -> bool {
         self.text.push_str(&piece);

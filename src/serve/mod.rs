@@ -6,7 +6,8 @@
 //! The model is loaded once; one decoding thread takes requests from a bounded queue (full: 503). With
 //! `--parallel 1` it owns one KV cache and answers one request at a time, and a request whose prompt
 //! starts with the previous prompt and answer (a multi-turn client) prefills only the new part; with
-//! `--parallel N` up to N requests decode together, one forward pass a step.
+//! `--parallel N` up to N requests decode together, one forward pass a step, and a request reuses the
+//! cache of an earlier answer it starts with (the last N are kept).
 //!
 //! One client cannot hold the server: connections are bounded and time out (`listen`), a body has a size
 //! and a time limit, a prompt that cannot fit the context is refused before it is tokenised, tokenising

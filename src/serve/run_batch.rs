@@ -265,7 +265,11 @@ impl<'s> Jobs for Runner<'s, '_> {
     }
 
     fn end(&mut self, a: Active<'s>, generation: Result<Generation>) -> Result<()> {
-        let line = match generation.and_then(|g| a.answer.finish(g, 0, 0.0)) {
+        let finished = generation.and_then(|g| {
+            let cached = a.answer.cached_tokens(&g);
+            a.answer.finish(g, cached, 0.0)
+        });
+        let line = match finished {
             Ok(Some(o)) => {
                 self.tokens += o.tokens.len();
                 let id = custom_id(&self.entries[a.index]).unwrap_or_default();

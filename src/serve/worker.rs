@@ -155,7 +155,10 @@ impl<'s> Jobs for Queued<'s> {
 
     fn end(&mut self, a: Active<'s>, generation: Result<Generation>) -> Result<()> {
         let result = generation
-            .and_then(|g| a.answer.finish(g, 0, a.queue_seconds))
+            .and_then(|g| {
+                let cached = a.answer.cached_tokens(&g);
+                a.answer.finish(g, cached, a.queue_seconds)
+            })
             .map_err(|e| format!("{e:#}"));
         report(self.counters, &a.events, result);
         Ok(())
