@@ -9,8 +9,7 @@ differ between the two files or from its record:
     ...                                    VIEW is A (plain decoding), B (block cost) or C (loading);
     <!-- /table -->                        a Spec-Bench run folder (probespec bench --out): VIEW is groups;
                                            a serve-load record (serve-load.py --json): VIEW is load, or
-                                           batch (serve-batch.sh: tokens/s by clients, per server);
-                                           a serve-long-prompt.sh record: VIEW is long-prompt
+                                           batch (serve-batch.sh: tokens/s by clients, per server)
     <!-- table KIND readme -->             the README's results table: KIND/shapes.json's plain decoding
                                            and KIND/spec-bench-*-gguf's methods
 
@@ -179,22 +178,6 @@ def batch_view(path, view):
     return "\n".join(lines).lstrip("\n")
 
 
-def long_prompt_view(path, view):
-    with open(path) as f:
-        runs = [json.loads(line) for line in f if line.strip()]
-    meta = next((r for r in runs if "provenance" in r), None)
-    runs = [r for r in runs if "label" in r]
-    lines = [provenance_line(meta["provenance"]) if meta else "", "",
-             "| server | prompt tokens | first token idle / beside the streams (s) | gap between tokens while it "
-             "went in, median / max (s) | gaps over 0.5 s | tokens without a chunk |", "|---|---|---|---|---|---|"]
-    for r in runs:
-        lines.append(f"| {r['label']} | {r['prompt_tokens']} | {r['idle_first_token_s']:.1f} / "
-                     f"{r['busy_first_token_s']:.1f} ({r['busy_over_idle']:.2f}x) | "
-                     f"{r['median_gap_while_prefilling_s']:.2f} / {r['max_gap_while_prefilling_s']:.2f} | "
-                     f"{r['gaps_over_half_a_second']} | {r['tokens_without_a_chunk']} |")
-    return "\n".join(lines).lstrip("\n")
-
-
 # --- the README's results table -----------------------------------------------------------------------
 
 def readme_view(kind):
@@ -248,8 +231,6 @@ def render(source, view):
         return load_view(path, view)
     if view == "batch":
         return batch_view(path, view)
-    if view == "long-prompt":
-        return long_prompt_view(path, view)
     sys.exit(f"unknown table view {view!r} for {source}")
 
 

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const README_LINES: usize = 250;
-const BENCHMARKS_LINES: usize = 420;
+const BENCHMARKS_LINES: usize = 400;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
