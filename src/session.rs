@@ -225,10 +225,19 @@ impl Session {
     }
 }
 
+/// What `path` names in messages: the file, or stdin for "-".
+pub fn source_name(path: &str) -> &str {
+    if path == "-" {
+        "stdin"
+    } else {
+        path
+    }
+}
+
 /// The text of file `path`, or of stdin when `path` is "-"; an error naming it when it cannot be read or
 /// is not UTF-8.
 pub fn read_text(path: &str) -> Result<String> {
-    let name = if path == "-" { "stdin" } else { path };
+    let name = source_name(path);
     let bytes = if path == "-" {
         let mut bytes = Vec::new();
         std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes).map(|_| bytes)

@@ -1,15 +1,15 @@
 //! Many generations stepped together: each step runs every active sequence's block in one forward pass.
 //!
 //! A sequence is a [`Sequence`] with its own KV cache and drafter (so its own acceptance statistics and
-//! `--bc auto` choices). Sequences join between steps and leave when they end or are cancelled. A
-//! joining prompt is prefilled alone when it joins, or, with a prefill chunk
-//! ([`Batch::with_prefill_chunk`]), a few rows a step in the same forward pass as the others' blocks,
-//! so that they keep producing tokens while it goes in. A step plans every sequence's block (one row for plain decoding,
-//! a tree and probe rows when speculating), runs them all through
-//! [`Transformer::forward_batch`](crate::model::Transformer::forward_batch), computes every sequence's
-//! first vocabulary projection in one product, and verifies each sequence on its own. The model's kernels
-//! are row-invariant, so every sequence's tokens are those [`generate`](super::generate::generate) gives
-//! it alone, whatever else is in the batch.
+//! `--bc auto` choices). Sequences join between steps and leave when they end or are cancelled. A joining
+//! prompt is prefilled alone when it joins, or, with a prefill chunk ([`Batch::with_prefill_chunk`]), a few
+//! rows a step in the same forward pass as the others' blocks, so that they keep producing tokens while it
+//! goes in. A step plans every sequence's block (one row for plain decoding, a tree and probe rows when
+//! speculating), runs them all through
+//! [`Transformer::forward_batch`](crate::model::Transformer::forward_batch), computes every sequence's first
+//! vocabulary projection in one product, and verifies each sequence on its own. The model's kernels are
+//! row-invariant, so every sequence's tokens are those [`generate`](super::generate::generate) gives it
+//! alone, whatever else is in the batch.
 //!
 //! # Example
 //!
@@ -135,9 +135,10 @@ impl<'m> Batch<'m> {
 
     /// Prompts that join go in a step at a time beside the decoding sequences, at most `rows` prompt
     /// rows a step, so that those keep producing tokens; while nothing decodes a prompt goes in whole.
-    /// Only where the model gives a prompt in parts the bits of the whole ([`Prefill::splits`]).
+    /// Only where the model gives a prompt in parts the bits of the whole
+    /// ([`Transformer::row_invariant`]).
     pub fn with_prefill_chunk(mut self, rows: Option<usize>) -> Self {
-        self.prefill_chunk = rows.filter(|_| Prefill::splits(self.model)).map(|r| r.max(1));
+        self.prefill_chunk = rows.filter(|_| self.model.row_invariant()).map(|r| r.max(1));
         self
     }
 

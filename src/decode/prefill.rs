@@ -6,7 +6,7 @@
 //!
 //! With the row-invariant CPU kernels a prompt prefilled in chunks gives the bits of one block (each
 //! row's products do not depend on the rows beside it, and its attention reads the same cached keys), as
-//! a conversation's reused prefix does; other ops prefill in one block ([`Prefill::splits`]).
+//! a conversation's reused prefix does; other ops prefill in one block ([`Transformer::row_invariant`]).
 
 use super::cost_curve::CostCurve;
 use super::layout::Probe;
@@ -139,11 +139,6 @@ impl Prefill {
     /// Prompt tokens still to run.
     pub fn left(&self) -> usize {
         self.prompt.len() - self.done
-    }
-
-    /// Whether `model` gives a prompt prefilled in chunks the bits of one block.
-    pub fn splits(model: &Transformer) -> bool {
-        model.row_invariant()
     }
 
     /// The next at most `rows` prompt tokens (at least one), with the probe rows when they end it.

@@ -47,11 +47,6 @@ impl<'a> Answer<'a> {
         }
     }
 
-    /// Prompt tokens whose keys and values `generation` did not compute (a cache held them).
-    pub fn cached_tokens(&self, generation: &Generation) -> usize {
-        self.prompt_tokens.saturating_sub(generation.stats.prefill_tokens)
-    }
-
     /// Sends `piece` to the client; false when it is gone.
     fn send(&mut self, piece: String) -> bool {
         self.text.push_str(&piece);
@@ -86,12 +81,8 @@ impl<'a> Answer<'a> {
     }
 
     /// The outcome of the finished `generation`, the text held back sent; `None` when the client left.
-    pub fn finish(
-        mut self,
-        generation: Generation,
-        cached_tokens: usize,
-        queue_seconds: f64,
-    ) -> Result<Option<Outcome>> {
+    /// Its prompt tokens that the generation did not prefill came from a cache.
+    pub fn finish(mut self, generation: Generation, queue_seconds: f64) -> Result<Option<Outcome>> {
         if self.gone {
             eprintln!(
                 "probespec serve: the client left after {} of at most {} tokens: generation stopped",
@@ -120,6 +111,7 @@ impl<'a> Answer<'a> {
             FinishReason::StopToken | FinishReason::Halted => "stop",
             FinishReason::MaxNewTokens | FinishReason::ContextWindow => "length",
         };
+        let cached_tokens = self.prompt_tokens.saturating_sub(generation.stats.prefill_tokens);
         Ok(Some(Outcome {
             text: self.text,
             tokens: generation.tokens,

@@ -83,7 +83,7 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
         prompt_request(p, a.system.as_deref(), !a.no_chat_template)
     });
     if entries.is_empty() {
-        bail!("{} holds no requests", input_name(&a.input));
+        bail!("{} holds no requests", crate::session::source_name(&a.input));
     }
     let kept = match std::fs::read_to_string(&a.output) {
         Ok(old) if !a.overwrite => {
@@ -180,14 +180,6 @@ pub fn run(a: &RunBatchArgs) -> Result<()> {
     Ok(())
 }
 
-fn input_name(input: &str) -> String {
-    if input == "-" {
-        "stdin".into()
-    } else {
-        input.into()
-    }
-}
-
 /// The output line id of request `index` (from 0).
 fn line_id(index: usize) -> String {
     format!("batch_req_{}", index + 1)
@@ -265,11 +257,7 @@ impl<'s> Jobs for Runner<'s, '_> {
     }
 
     fn end(&mut self, a: Active<'s>, generation: Result<Generation>) -> Result<()> {
-        let finished = generation.and_then(|g| {
-            let cached = a.answer.cached_tokens(&g);
-            a.answer.finish(g, cached, 0.0)
-        });
-        let line = match finished {
+        let line = match generation.and_then(|g| a.answer.finish(g, 0.0)) {
             Ok(Some(o)) => {
                 self.tokens += o.tokens.len();
                 let id = custom_id(&self.entries[a.index]).unwrap_or_default();

@@ -155,10 +155,7 @@ impl<'s> Jobs for Queued<'s> {
 
     fn end(&mut self, a: Active<'s>, generation: Result<Generation>) -> Result<()> {
         let result = generation
-            .and_then(|g| {
-                let cached = a.answer.cached_tokens(&g);
-                a.answer.finish(g, cached, a.queue_seconds)
-            })
+            .and_then(|g| a.answer.finish(g, a.queue_seconds))
             .map_err(|e| format!("{e:#}"));
         report(self.counters, &a.events, result);
         Ok(())
@@ -166,7 +163,8 @@ impl<'s> Jobs for Queued<'s> {
 }
 
 /// Runs the jobs `capacity` holds together until every submitting end is gone: waiting jobs join between
-/// steps (each prefilled alone), and each step decodes one block of every job in one forward pass.
+/// steps, and each step decodes one block of every job (and the next chunk of a joining prompt) in one
+/// forward pass.
 fn run_batched(session: &Session, jobs: Receiver<Job>, counters: &Counters, capacity: Capacity) {
     let mut queued = Queued {
         session,
@@ -186,24 +184,13 @@ fn run_job(session: &Session, cache: Option<&mut PrefixCache>, job: &Job) -> Res
     let mut drafter = spec.method.drafter(spec.params.sampling.seed)?;
     let mut answer = Answer::new(session, spec, TextSink::Handler(job.events.clone()));
     let mut on_token = |t: u32| answer.push(t);
-    let (generation, cached_tokens) = match cache {
-        Some(c) => c.generate(
-            &session.model,
-            &spec.prompt,
-            drafter.as_mut(),
-            &spec.params,
-            &mut on_token,
-        )?,
-        None => (
-            crate::decode::generate::generate(
-                &session.model,
-                &spec.prompt,
-                drafter.as_mut(),
-                &spec.params,
-                &mut on_token,
-            )?,
-            0,
-        ),
+    let (model, prompt, params) = (&session.model, &spec.prompt, &spec.params);
+    let generation = match cache {
+        Some(c) => {
+            c.generate(model, prompt, drafter.as_mut(), params, &mut on_token)?
+                .0
+        }
+        None => crate::decode::generate::generate(model, prompt, drafter.as_mut(), params, &mut on_token)?,
     };
-    answer.finish(generation, cached_tokens, queue_seconds)
+    answer.finish(generation, queue_seconds)
 }
