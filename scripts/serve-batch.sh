@@ -3,9 +3,10 @@
 # `probespec serve --parallel 8` and `llama-server -np 8` on the same GGUF (default: the Llama-3.2-1B shape
 # in Q4_K_M that scripts/real-shapes.sh writes), greedy, plain decoding, the two servers alternating at
 # each concurrency. Every run sends the same TOTAL requests (the same prompts), split over its clients.
-# probespec's answers at 1 client are checked against the one-shot CLI's and every later run against
-# those; llama-server's against its own answers at 1 client (its answers change with what else is in the
-# batch).
+# At 1 client `probespec serve --parallel 1` (one request at a time, the one-shot path) runs too: what
+# the batch costs a lone request. probespec's answers at 1 client are checked against the one-shot CLI's
+# and every later run against those; llama-server's against its own answers at 1 client (its answers
+# change with what else is in the batch).
 # SPEC_BENCH=1 sends the first turns of the bundled Spec-Bench questions instead of serve-load.py's short tasks.
 #   scripts/serve-batch.sh [OUT_DIR]   (env: GGUF, CONCURRENCY, TOTAL, MAX_TOKENS, PARALLEL, THREADS, METHOD,
 #   SPEC_BENCH)
@@ -53,7 +54,7 @@ run() { # label port clients log -- server command...
 }
 
 PS=(env RAYON_NUM_THREADS="$THREADS" "$PROBESPEC" serve --port 18090 --model "$GGUF" --method "$METHOD"
-    --parallel "$PARALLEL" --queue 64)
+    --queue 64)
 LS=("$LLAMA_SERVER" -m "$GGUF" --port 18091 -t "$THREADS" -np "$PARALLEL" -c $((PARALLEL * 2048)) --no-webui)
 for c in $CONCURRENCY; do
   if [ -f "$OUT/probespec-answers.json" ]; then
@@ -61,7 +62,11 @@ for c in $CONCURRENCY; do
   else
     CHECK=(--cli "$PROBESPEC" "--cli-args=--model $GGUF --method $METHOD" --save "$OUT/probespec-answers.json")
   fi
-  run "probespec serve --parallel $PARALLEL" 18090 "$c" "$OUT/probespec-$c.log" -- "${PS[@]}"
+  run "probespec serve --parallel $PARALLEL" 18090 "$c" "$OUT/probespec-$c.log" -- "${PS[@]}" --parallel "$PARALLEL"
+  if [ "$c" = 1 ]; then
+    CHECK=(--check "$OUT/probespec-answers.json")
+    run "probespec serve --parallel 1" 18090 1 "$OUT/probespec-alone.log" -- "${PS[@]}" --parallel 1
+  fi
   if [ -f "$OUT/llama-answers.json" ]; then
     CHECK=(--check "$OUT/llama-answers.json")
   else

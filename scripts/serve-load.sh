@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The load run of docs/BENCHMARKS.md: scripts/serve-load.py (8 clients x 20 streamed requests, 32 tokens,
-# greedy) against `probespec serve` on the default GGUF, each answer checked against the one-shot CLI's;
+# greedy) against `probespec serve --parallel 1` (one request at a time) on the default GGUF, each answer
+# checked against the one-shot CLI's;
 # then, when llama.cpp's llama-server is there (scripts/llamacpp-tools.sh builds it), the same run against
 # it on the same GGUF, plain and with each --spec-type ngram-* given in NGRAM_TYPES, each speculative run's
 # answers checked against its plain run's.
@@ -48,7 +49,7 @@ run_server() { # label url log -- command...
 for method in hybrid pld ar; do
   EXTRA=(--cli "$PROBESPEC" "--cli-args=--model $GGUF --method $method")
   run_server "probespec serve --method $method" http://127.0.0.1:18080 "$OUT/probespec-$method.log" -- \
-    env RAYON_NUM_THREADS="$THREADS" "$PROBESPEC" serve --port 18080 --model "$GGUF" --method "$method"
+    env RAYON_NUM_THREADS="$THREADS" "$PROBESPEC" serve --port 18080 --model "$GGUF" --method "$method" --parallel 1
 done
 
 if [ -x "$LLAMA_SERVER" ]; then

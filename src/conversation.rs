@@ -46,8 +46,8 @@ impl PrefixCache {
         self.cache.truncate(0);
     }
 
-    /// Generates from `prompt`, reusing the longest prefix of it already in the cache; returns the
-    /// generation and how many prompt tokens came from the cache. After a failure the cache keeps only
+    /// Generates from `prompt`, reusing the longest prefix of it already in the cache (the prompt tokens
+    /// it did not prefill, `stats.prefill_tokens`, came from there). After a failure the cache keeps only
     /// what is known to be valid.
     pub fn generate(
         &mut self,
@@ -56,7 +56,7 @@ impl PrefixCache {
         drafter: &mut dyn Drafter,
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> Result<()>,
-    ) -> Result<(Generation, usize)> {
+    ) -> Result<Generation> {
         if prompt.is_empty() {
             bail!("the prompt is empty");
         }
@@ -75,7 +75,7 @@ impl PrefixCache {
         history.extend_from_slice(&generation.tokens);
         history.truncate(self.cache.len());
         self.cached = history;
-        Ok((generation, reused))
+        Ok(generation)
     }
 }
 
@@ -140,9 +140,10 @@ impl<'a> Conversation<'a> {
     ) -> Result<Turn> {
         crate::session::check_prompt_text(user)?;
         let prompt = self.render(user)?;
-        let (generation, reused) = self
+        let generation = self
             .cache
             .generate(self.model, &prompt, drafter, params, on_token)?;
+        let reused_tokens = prompt.len() - generation.stats.prefill_tokens;
         let text = self.tokenizer.decode(&generation.tokens)?.trim().to_string();
         self.messages.push(Message::new("user", user));
         self.messages.push(Message::new("assistant", text.clone()));
@@ -150,7 +151,7 @@ impl<'a> Conversation<'a> {
             generation,
             text,
             prompt_tokens: prompt.len(),
-            reused_tokens: reused,
+            reused_tokens,
         })
     }
 }

@@ -418,7 +418,8 @@ fn stop_strings_cut_the_answer() {
 /// turn's tokens from the cache and still answers as a fresh generation would.
 #[test]
 fn a_second_turn_reuses_the_cache() {
-    a_second_turn_reuses_the_cache_with(&[]);
+    // One request at a time, the server's one cache (the default, auto, batches).
+    a_second_turn_reuses_the_cache_with(&["--parallel", "1"]);
 }
 
 /// The same, requests decoded together: the second turn takes the first's cache when it ended.

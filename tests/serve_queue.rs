@@ -31,7 +31,15 @@ fn long_request(tokens: usize) -> Value {
 #[test]
 fn a_full_queue_answers_503_and_a_client_that_leaves_stops_its_generation() {
     let dir = long_context_dir();
-    let s = Server::start(&["--model", dir.path().to_str().unwrap(), "--queue", "1"]);
+    // One request decoding at a time (`--parallel 1`): the others wait in the queue.
+    let s = Server::start(&[
+        "--model",
+        dir.path().to_str().unwrap(),
+        "--queue",
+        "1",
+        "--parallel",
+        "1",
+    ]);
     let url = s.url("/v1/completions");
     // A: a long streamed answer; read two chunks, so that it is decoding.
     let a = agent()
@@ -102,7 +110,8 @@ fn a_full_queue_answers_503_and_a_client_that_leaves_stops_its_generation() {
 fn a_reader_that_does_not_read_does_not_hold_up_the_queue() {
     const TOKENS: usize = 2_000;
     let dir = long_context_dir();
-    let s = Server::start(&["--model", dir.path().to_str().unwrap()]);
+    // One request decoding at a time: B waits for A's generation, not for A's reader.
+    let s = Server::start(&["--model", dir.path().to_str().unwrap(), "--parallel", "1"]);
     let url = s.url("/v1/completions");
     // A: a long streamed answer nobody reads yet.
     let a = agent()

@@ -10,6 +10,7 @@
 pub mod auto;
 pub mod batch;
 pub mod budget;
+pub mod capacity;
 pub mod cost_cache;
 pub mod cost_curve;
 pub mod drafters;

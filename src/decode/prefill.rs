@@ -8,7 +8,6 @@
 //! row's products do not depend on the rows beside it, and its attention reads the same cached keys), as
 //! a conversation's reused prefix does; other ops prefill in one block ([`Transformer::row_invariant`]).
 
-use super::cost_curve::CostCurve;
 use super::layout::Probe;
 use super::sampling::Sampler;
 use super::sequence::Sequence;
@@ -29,24 +28,6 @@ pub fn cache_rows(ctx: usize, prompt_len: usize, max_new_tokens: usize) -> usize
         .saturating_add(max_new_tokens)
         .min(ctx)
         .saturating_add(BLOCK_ROOM)
-}
-
-/// The seconds a step that prefills beside decoding sequences may take: well below the half second a
-/// streaming client notices between tokens, or twice a step of the decoding rows alone where that is
-/// more (a model too slow for it still makes progress on its prompts).
-pub const PREFILL_STEP_SECONDS: f64 = 0.4;
-
-/// Most prompt rows a step prefills beside `decoding` sequences' rows on a machine whose forward cost is
-/// `curve` (after 1024 cached tokens): the largest multiple of 8, at least 8 and at most 512, whose step
-/// the curve prices within [`PREFILL_STEP_SECONDS`] or twice the decoding rows' step.
-pub fn chunk_for(curve: &CostCurve, decoding: usize) -> usize {
-    const CONTEXT: usize = 1024;
-    let limit = PREFILL_STEP_SECONDS.max(2.0 * curve.cost(decoding, CONTEXT));
-    (1..=64)
-        .map(|i| 8 * i)
-        .take_while(|&rows| curve.cost(decoding + rows, CONTEXT) <= limit)
-        .last()
-        .unwrap_or(8)
 }
 
 /// How many tokens `a` and `b` share from their starts.
@@ -242,18 +223,5 @@ mod tests {
         assert_eq!(common_prefix(&[1, 2, 3], &[1, 2]), 2);
         assert_eq!(common_prefix(&[1, 2, 3], &[1, 5, 3]), 1);
         assert_eq!(common_prefix(&[4], &[1]), 0);
-    }
-
-    #[test]
-    fn the_chunk_keeps_a_step_within_its_time() {
-        // 9.9 ms a row: 8 decoding rows and 32 prompt rows take 0.396 s, 40 take 0.475 s.
-        let slow = CostCurve::from_fn(|_, r| 0.0099 * r as f64, 0.0);
-        assert_eq!(chunk_for(&slow, 8), 32);
-        // 0.1 ms a row: the most.
-        let fast = CostCurve::from_fn(|_, r| 0.0001 * r as f64, 0.0);
-        assert_eq!(chunk_for(&fast, 8), 512);
-        // 0.1 s a row: the decoding rows alone take 0.8 s; twice that leaves 8 prompt rows.
-        let crawling = CostCurve::from_fn(|_, r| 0.1 * r as f64, 0.0);
-        assert_eq!(chunk_for(&crawling, 8), 8);
     }
 }

@@ -54,6 +54,7 @@
 //! ```
 
 use super::batch::{Batch, Retired, SequenceId};
+pub use super::capacity::Capacity;
 use super::prefill::{cache_rows, common_prefix};
 use super::step::{Drafter, GenerateParams, Generation, Halt};
 use crate::model::Transformer;
@@ -92,30 +93,6 @@ pub trait Jobs {
 
     /// How `job` ended: its generation, or why it failed. An error stops [`run`] at once.
     fn end(&mut self, job: Self::Job, generation: Result<Generation>) -> Result<()>;
-}
-
-/// How much a batch may hold at once.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Capacity {
-    /// Sequences decoded together.
-    pub sequences: usize,
-    /// KV cache rows the sequences decoding together may reserve ([`cache_rows`]: their prompts, answers
-    /// and a block each); `None`: no bound but `sequences`.
-    pub kv_rows: Option<usize>,
-    /// Most prompt rows a step prefills beside decoding sequences
-    /// ([`Batch::with_prefill_chunk`]); `None`: a joining prompt is prefilled whole, between steps.
-    pub prefill_chunk: Option<usize>,
-}
-
-impl Capacity {
-    /// Up to `sequences` together, with no bound on their caches, prompts prefilled whole.
-    pub fn sequences(sequences: usize) -> Self {
-        Capacity {
-            sequences,
-            kv_rows: None,
-            prefill_chunk: None,
-        }
-    }
 }
 
 /// The KV cache rows `request` reserves on `model`.

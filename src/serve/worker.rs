@@ -186,10 +186,7 @@ fn run_job(session: &Session, cache: Option<&mut PrefixCache>, job: &Job) -> Res
     let mut on_token = |t: u32| answer.push(t);
     let (model, prompt, params) = (&session.model, &spec.prompt, &spec.params);
     let generation = match cache {
-        Some(c) => {
-            c.generate(model, prompt, drafter.as_mut(), params, &mut on_token)?
-                .0
-        }
+        Some(c) => c.generate(model, prompt, drafter.as_mut(), params, &mut on_token)?,
         None => crate::decode::generate::generate(model, prompt, drafter.as_mut(), params, &mut on_token)?,
     };
     answer.finish(generation, queue_seconds)
