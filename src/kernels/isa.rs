@@ -1,8 +1,9 @@
 //! The instruction-set variants of the block kernels, detected at run time.
 //!
 //! Release binaries are built for the baseline x86_64 target and run on CPUs from AVX2-only to
-//! AVX-512 with VNNI, so the SIMD paths are chosen by `is_x86_feature_detected!`, never by compile-time
-//! target features. Every kernel function takes the variant as an argument: tests run each variant the
+//! AVX-512 with VNNI (aarch64: NEON to the dot-product extension and beyond), so the SIMD paths are
+//! chosen by `is_x86_feature_detected!` / `is_aarch64_feature_detected!`, never by compile-time target
+//! features. Every kernel function takes the variant as an argument: tests run each variant the
 //! machine has side by side (in parallel, no global switch), and the model uses [`Isa`]'s per-kernel
 //! default.
 
@@ -21,6 +22,11 @@ pub enum Isa {
     /// AVX-512F/BW/VL + AVX512-VNNI (+ AVX2/FMA/F16C): 512-bit `vpdpbusd` (Ice Lake server and later,
     /// Zen 4 and later).
     Avx512Vnni,
+    /// aarch64 NEON (Advanced SIMD, every aarch64 CPU): 128-bit registers; `smull` for 8-bit products.
+    Neon,
+    /// [`Isa::Neon`] plus the dot-product extension: `sdot` (ARMv8.2 and later: Apple M1 on, Graviton 2
+    /// on, Ampere Altra).
+    NeonDot,
 }
 
 impl Isa {
@@ -48,7 +54,10 @@ impl Isa {
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vnni")
             }
-            #[cfg(not(target_arch = "x86_64"))]
+            #[cfg(target_arch = "aarch64")]
+            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            Isa::NeonDot => Isa::Neon.available() && std::arch::is_aarch64_feature_detected!("dotprod"),
             _ => false,
         }
     }
@@ -66,6 +75,7 @@ impl Isa {
 /// The CPU's family (base plus extended, as AMD numbers them: 0x19 Zen 3 and Zen 4, 0x1A Zen 5) when
 /// it is an AMD one, for the few kernel settings that were measured to differ by microarchitecture.
 #[allow(unused_unsafe)] // `__cpuid` is an unsafe fn in Rust 1.93 and before (`cpuid` is baseline x86_64)
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 kernels' only
 pub(crate) fn amd_family() -> Option<u32> {
     #[cfg(target_arch = "x86_64")]
     {

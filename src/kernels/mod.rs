@@ -78,6 +78,7 @@ pub(crate) fn prefetch_l1(p: *const u8, bytes: usize) {
 /// As [`prefetch_l1`], into the outer caches only (`prefetcht2`): for reads far enough ahead that lines
 /// brought into L1 would crowd out what the arithmetic is using.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 kernels' only
 pub(crate) fn prefetch_l2(p: *const u8, bytes: usize) {
     prefetch_lines::<2>(p, bytes)
 }

@@ -28,11 +28,13 @@ impl<E: KvElement> Problem<'_, E> {
         }
         let src = |j: usize, d: usize| j * self.shape.row_stride + kvh * hd + d;
         // The head's key rows PREFETCH_KEYS on, asked for as each block of keys is moved.
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_variables))]
         let prefetch = |j0: usize, n: usize| {
             for j in j0 + PREFETCH_KEYS..(j0 + PREFETCH_KEYS + n).min(hi) {
                 prefetch_l1(kd.as_ptr().wrapping_add(src(j, 0)).cast(), 4 * hd);
             }
         };
+        #[cfg_attr(not(target_arch = "x86_64"), allow(unused_mut))]
         let mut j0 = lo;
         #[cfg(target_arch = "x86_64")]
         if width == Width::W512 && hd.is_multiple_of(LANES) {

@@ -73,6 +73,7 @@ impl PackedFormat {
     }
 
     /// Values of at most 4 bits (the kernels' nibble path: two values per byte, 16-bit partial sums).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // the x86 kernels' only
     pub(super) const fn four_bit(self) -> bool {
         matches!(self, PackedFormat::Q4_0 | PackedFormat::Q4_1 | PackedFormat::Q4K)
     }

@@ -69,8 +69,9 @@
 //! Each instruction set has one generic tile, monomorphised per format by a const tag
 //! (`PackedFormat::tag`), and one named entry per format that runs it: `matmul_q4_0_q8`,
 //! `matmul_q4_1_q8`, `matmul_q8_0_q8`, `matmul_q4k_q8`, `matmul_q5k_q8`, `matmul_q6k_q8` in
-//! `portable.rs` (which reads the format at run time instead), `avx2.rs` (modules `avx2` and `avxvnni`)
-//! and `avx512.rs`. What each runs ("g": groups of 16 outputs a tile, at up to that many rows; the
+//! `portable.rs` (which reads the format at run time instead), `avx2.rs` (modules `avx2` and `avxvnni`),
+//! `avx512.rs` and, on aarch64, `neon.rs` (modules `neon` and `neondot`: one group-block's four outputs
+//! at a time, every row, the same tile for every format). What each runs ("g": groups of 16 outputs a tile, at up to that many rows; the
 //! rules and their reasons are in `plan.rs`):
 //!
 //! | format | portable | AVX2 | AVX-VNNI | AVX-512 VNNI |
@@ -97,6 +98,8 @@ mod avx2;
 #[cfg(target_arch = "x86_64")]
 mod avx512;
 mod format;
+#[cfg(target_arch = "aarch64")]
+mod neon;
 mod pack;
 mod plan;
 mod portable;
@@ -112,7 +115,14 @@ pub use quantize::{quantize_rows, quantize_rows_into, QuantRows};
 pub const GROUP: usize = 16;
 
 /// The variants this kernel implements, best first.
-pub const VARIANTS: [Isa; 4] = [Isa::Avx512Vnni, Isa::AvxVnni, Isa::Avx2, Isa::Portable];
+pub const VARIANTS: [Isa; 6] = [
+    Isa::Avx512Vnni,
+    Isa::AvxVnni,
+    Isa::Avx2,
+    Isa::NeonDot,
+    Isa::Neon,
+    Isa::Portable,
+];
 
 /// The fastest variant this CPU has.
 pub fn default_isa() -> Isa {
@@ -247,6 +257,10 @@ fn task_of(isa: Isa) -> TaskFn {
         Isa::AvxVnni => avx2::avxvnni::task,
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512Vnni => avx512::task,
+        #[cfg(target_arch = "aarch64")]
+        Isa::Neon => neon::neon::task,
+        #[cfg(target_arch = "aarch64")]
+        Isa::NeonDot => neon::neondot::task,
         _ => panic!("matmul_q8 has no {isa:?} variant"),
     }
 }

@@ -22,6 +22,7 @@
 //! | [`zen4_hardware_alone`], [`zen4_one_stream`], [`zen4_one_group`] | see each | AVX-512 VNNI on Zen 4 |
 //! | [`plan`] | the above combined | AVX-512 VNNI: groups per tile and prefetch |
 
+#[cfg(target_arch = "x86_64")]
 use super::PackedFormat;
 
 /// A product is split over the kernel pool's threads ([`crate::kernels::pool`]) when it has at least

@@ -22,7 +22,7 @@ pub struct QuantRows {
     /// Per row and block: `d_x · f32(Σq)`.
     pub(super) s: Vec<f32>,
     /// Per row and block: the integer sums' starting values `-c·Σq` for the formats with an offset
-    /// `c` ([`offset`]), at [`start_slot`], so that the x86 kernels load them (a broadcast from memory)
+    /// `c` ([`offset`]), at [`start_slot`], so that the SIMD kernels load them (a broadcast from memory)
     /// instead of computing them for every tile of outputs (a multiply and a move into a vector
     /// register per row and block, which the 8-row Q6_K tiles felt).
     pub(super) starts: Vec<[i32; 4]>,
@@ -155,7 +155,7 @@ impl Blocks<'_> {
 }
 
 /// [`quantize_blocks`] on the widest vectors the CPU has ([`Width::best`](crate::kernels::attention::Width::best), detected once), written out
-/// for AVX-512 and AVX2 ([`quantize_blocks_avx512`], [`quantize_blocks_avx2`]): the compiler's
+/// for AVX-512 and AVX2 ([`quantize_blocks_avx512`], [`quantize_blocks_avx2`]) and aarch64's NEON: the compiler's
 /// vectorisation of the portable loop was slow enough to show in a prefill and in decoding. The same
 /// IEEE and integer operations on every path: the same bits (tested).
 pub(super) fn quantize_blocks_with(x: &[f32], out: Blocks) {
@@ -170,7 +170,58 @@ pub(super) fn quantize_blocks_with(x: &[f32], out: Blocks) {
             Width::Portable => {}
         }
     }
-    quantize_blocks(x, out)
+    // SAFETY: NEON is part of the aarch64 baseline.
+    #[cfg(target_arch = "aarch64")]
+    unsafe {
+        quantize_blocks_neon(x, out)
+    };
+    #[cfg(not(target_arch = "aarch64"))]
+    quantize_blocks(x, out);
+}
+
+/// [`quantize_blocks`] in NEON, a block of 32 values as eight vectors, step for step as the AVX2 path: the largest magnitude as an integer maximum of the bits, `v · (1/d)` then
+/// `+ ROUND_MAGIC` (two roundings), the integers narrowed to their low bytes without saturation (as
+/// `as i8`), and the sums wrapping in integers.
+///
+/// # Safety
+/// NEON (every aarch64 CPU).
+#[cfg(target_arch = "aarch64")]
+#[target_feature(enable = "neon")]
+pub(super) unsafe fn quantize_blocks_neon(x: &[f32], mut out: Blocks) {
+    use std::arch::aarch64::*;
+    let n = out.fit(x);
+    let abs = vdupq_n_u32(0x7fff_ffff);
+    let magic = vdupq_n_f32(ROUND_MAGIC);
+    let magic_bits = vdupq_n_s32(ROUND_MAGIC.to_bits() as i32);
+    for i in 0..n {
+        let p = x.as_ptr().add(i * BLOCK);
+        let v: [float32x4_t; 8] = std::array::from_fn(|j| vld1q_f32(p.add(4 * j)));
+        let mag = |j: usize| vandq_u32(vreinterpretq_u32_f32(v[j]), abs);
+        let bits = vmaxq_u32(
+            vmaxq_u32(vmaxq_u32(mag(0), mag(1)), vmaxq_u32(mag(2), mag(3))),
+            vmaxq_u32(vmaxq_u32(mag(4), mag(5)), vmaxq_u32(mag(6), mag(7))),
+        );
+        let amax = f32::from_bits(vmaxvq_u32(bits));
+        let (d, id) = block_scale(amax);
+        let id = vdupq_n_f32(id);
+        let qi: [int32x4_t; 8] = std::array::from_fn(|j| {
+            vsubq_s32(
+                vreinterpretq_s32_f32(vaddq_f32(vmulq_f32(v[j], id), magic)),
+                magic_bits,
+            )
+        });
+        let bytes = |a: usize| {
+            let lo = vcombine_s16(vmovn_s32(qi[a]), vmovn_s32(qi[a + 1]));
+            let hi = vcombine_s16(vmovn_s32(qi[a + 2]), vmovn_s32(qi[a + 3]));
+            vcombine_s8(vmovn_s16(lo), vmovn_s16(hi))
+        };
+        let q = out.q.as_mut_ptr().add(i * BLOCK);
+        vst1q_s8(q, bytes(0));
+        vst1q_s8(q.add(16), bytes(4));
+        let sum_lo = vaddvq_s32(vaddq_s32(vaddq_s32(qi[0], qi[1]), vaddq_s32(qi[2], qi[3])));
+        let sum_hi = vaddvq_s32(vaddq_s32(vaddq_s32(qi[4], qi[5]), vaddq_s32(qi[6], qi[7])));
+        out.set_block(i, d, sum_lo.wrapping_add(sum_hi), sum_lo);
+    }
 }
 
 /// [`quantize_blocks`] in AVX-512, a block of 32 values as two vectors: the largest magnitude as an
@@ -283,6 +334,7 @@ fn block_scale(amax: f32) -> (f32, f32) {
 }
 
 #[inline(always)]
+#[cfg_attr(target_arch = "aarch64", allow(dead_code))] // there the tests' reference only
 pub(super) fn quantize_blocks(x: &[f32], mut out: Blocks) {
     let n = out.fit(x);
     let magic = ROUND_MAGIC.to_bits() as i32;
