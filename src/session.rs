@@ -148,6 +148,7 @@ impl Session {
         };
         let device = opts.device.device()?;
         let dtype = opts.dtype_on(&device);
+        let isa_ceiling = crate::kernels::isa::ceiling_from_env().map_err(anyhow::Error::msg)?;
         let source = ModelSource::resolve(opts.model.as_deref())?;
         let loaded = load_model(
             &source,
@@ -171,6 +172,10 @@ impl Session {
         let ops = model.ops();
         if ops != crate::model::Ops::default_for(&model.device, dtype) {
             activations = format!("{activations}-{}", ops.name());
+        }
+        // Kernels capped at a lesser variant (`PROBESPEC_ISA`) run slower: a curve of their own.
+        if let Some(isa) = isa_ceiling {
+            activations = format!("{activations}-{}", isa.name());
         }
         // A bf16 KV cache reads half the bytes per cached token (curves measured before it, f32 ones).
         if ops == crate::model::Ops::Kernels && model.kv_dtype() == DType::BF16 {

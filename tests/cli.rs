@@ -759,3 +759,58 @@ fn threads_far_past_the_cores_are_refused() {
     ])
     .ok();
 }
+
+/// `PROBESPEC_ISA` caps the kernels at a lesser variant (the AVX2 tiles on an AVX-512 CPU, say). Every
+/// variant computes the portable code's bits, so the real SmolLM2 (Q4_1, 8-bit activations) answers
+/// with the same tokens under each variant this CPU has as under its default.
+#[test]
+fn every_kernel_variant_the_cpu_has_gives_the_same_answer() {
+    use probespec::kernels::Isa;
+    let model = common::smollm2_path();
+    let args = [
+        "--model",
+        model.to_str().unwrap(),
+        "--max-new-tokens",
+        "24",
+        "--json",
+        "Name three rivers of Europe and say where each one ends.",
+    ];
+    let tokens = |isa: Option<Isa>| {
+        let mut cmd = command(&args);
+        if let Some(isa) = isa {
+            cmd.env(probespec::kernels::isa::ISA_ENV, isa.name());
+        }
+        let out = run(&mut cmd, None).ok();
+        let v: serde_json::Value = serde_json::from_str(out.stdout.trim()).unwrap();
+        v["token_ids"].clone()
+    };
+    let default = tokens(None);
+    let mut tried = 0;
+    for isa in Isa::ALL.into_iter().filter(|i| i.detected()) {
+        assert_eq!(
+            tokens(Some(isa)),
+            default,
+            "{} differs from the default",
+            isa.name()
+        );
+        tried += 1;
+    }
+    assert!(tried >= 2, "the portable variant and at least one SIMD variant");
+}
+
+#[test]
+fn an_unknown_or_missing_kernel_variant_is_refused() {
+    let d = tiny_dir();
+    let m = d.path().to_str().unwrap();
+    let with = |isa: &str| {
+        let mut cmd = command(&["--model", m, "--max-new-tokens", "2", "w5"]);
+        cmd.env(probespec::kernels::isa::ISA_ENV, isa);
+        run(&mut cmd, None)
+    };
+    with("sse9").errors_with("PROBESPEC_ISA=sse9: expected one of portable, avx2");
+    let missing = probespec::kernels::Isa::ALL
+        .into_iter()
+        .find(|i| !i.detected())
+        .unwrap();
+    with(missing.name()).errors_with("this CPU lacks it");
+}

@@ -53,10 +53,12 @@ pub(crate) enum Path {
     Avx2Fma,
 }
 
-/// Whether the CPU running us has AVX2 and FMA.
+/// Whether the CPU running us has AVX2 and FMA, and `PROBESPEC_ISA` allows AVX2.
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_fma_available() -> bool {
-    is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && super::isa::allowed(super::Isa::Avx2)
 }
 
 /// The path of this process, detected once.
