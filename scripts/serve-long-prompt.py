@@ -3,8 +3,9 @@
 
 First the long prompt's time to first token alone (idle). Then D clients stream answers (greedy,
 ignore_eos, max_tokens M); once each has had a few tokens another long prompt of the same length
-arrives. Reports its time to first token over the idle one, and the longest gap between two tokens of
-the decoding clients while it went in (what a reader of those streams notices). Standard library only;
+arrives. Reports its time to first token over the idle one, and the gaps between two chunks of text of
+the decoding clients while it went in (what a reader of those streams notices): the longest, and the
+median over the clients of each one's longest (a slow step shows in every client's). Standard library only;
 one JSON line on stdout.
 
   scripts/serve-long-prompt.py --url http://127.0.0.1:8080 --label "probespec --parallel 8"
@@ -83,14 +84,17 @@ def main():
     end = start + busy
     for t in threads:
         t.join()
-    gaps, gaps_during, late = [], [], []
+    gaps, gaps_during, late, longest = [], [], [], []
     for ts in times:
+        during = []
         for x, y in zip(ts, ts[1:]):
             gaps.append(y - x)
             if y > start and x < end:
-                gaps_during.append(y - x)
+                during.append(y - x)
                 if y - x > 0.5:
                     late.append(round((x - start) / (end - start), 2))
+        gaps_during += during
+        longest.append(max(during, default=0.0))
     short = [len(ts) for ts in times if len(ts) < 2 or ts[-1] < end]
     print(json.dumps({
         "label": a.label, "decoders": a.decoders, "prompt_tokens": prompt_tokens,
@@ -99,6 +103,9 @@ def main():
         "max_gap_while_prefilling_s": round(max(gaps_during, default=float("nan")), 3),
         "median_gap_while_prefilling_s": round(statistics.median(gaps_during), 3) if gaps_during else None,
         "median_gap_s": round(statistics.median(gaps), 3),
+        # A slow step delays every decoding client; a gap that one client alone sees is its text held back
+        # (below): the median over the clients of each one's longest gap is the slowest step they shared.
+        "median_longest_gap_s": round(statistics.median(longest), 3) if longest else None,
         "gaps_over_half_a_second": len(late), "where_in_the_prefill": sorted(set(late)),
         "decoders_done_before_the_prompt": len(short),
         # A token whose text is not whole UTF-8 yet comes in the next token's chunk: its gap spans two.
