@@ -3,7 +3,8 @@
 # qemu-user, once per CPU model: the kernels' bit-identity and row-invariance tests (every variant the
 # emulated CPU has against the portable code) and the GGUF lossless tests (tiny LLaMA and Qwen 3 models in
 # every block format, 8-bit and f32 activations: row-invariant logits, ESP, PLD and the hybrid token-identical
-# to plain decoding, on the variant the CPU picks); with FULL=1, on the last CPU the whole of
+# to plain decoding, on the variant the CPU picks, and once more on `max` with the portable kernels forced
+# by PROBESPEC_ISA); with FULL=1, on the last CPU the whole of
 # tests/lossless.rs (every method in every configuration, f32 weights: 15-25 minutes more under qemu).
 # Emulation checks the bits, never the speed. Installs what is missing: the Rust target (rustup), the
 # cross linker and qemu (apt).
@@ -37,3 +38,7 @@ for cpu in $CPUS; do
     cargo test --release --target "$TARGET" --test lossless -- gguf
   fi
 done
+# The portable kernels forced on a CPU that has better ones (kernels::isa::ISA_ENV).
+echo "== aarch64, qemu -cpu max, PROBESPEC_ISA=portable"
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER="qemu-aarch64-static -cpu max -L /usr/aarch64-linux-gnu"
+PROBESPEC_ISA=portable cargo test --release --target "$TARGET" --test lossless -- gguf
