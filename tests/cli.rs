@@ -43,6 +43,20 @@ fn missing_default_model_says_how_to_fetch_it() {
     fails_with(&["hi"], None, "make model");
 }
 
+/// `PROBESPEC_MODEL_DIR=` (set, empty) counts as unset, as in scripts/fetch-model.sh: the default model is
+/// then read from `$XDG_CACHE_HOME/probespec`, where the script put it.
+#[test]
+fn an_empty_model_dir_variable_counts_as_unset() {
+    let cache = common::tempdir();
+    std::fs::create_dir(cache.path().join("probespec")).unwrap();
+    let file = probespec::model::load::DEFAULT_MODEL_FILE;
+    std::os::unix::fs::symlink(common::smollm2_path(), cache.path().join("probespec").join(file)).unwrap();
+    let mut cmd = command(&["--max-new-tokens", "2", "hi"]);
+    cmd.env("PROBESPEC_MODEL_DIR", "")
+        .env("XDG_CACHE_HOME", cache.path());
+    run(&mut cmd, None).ok();
+}
+
 #[test]
 fn folder_without_config() {
     let d = common::tempdir();

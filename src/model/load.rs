@@ -11,12 +11,14 @@ pub use super::checkpoint::{Activations, LoadOptions, LoadedModel};
 pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 /// Where the default model lives: `$PROBESPEC_MODEL_DIR`, else `$XDG_CACHE_HOME/probespec`, else
-/// `~/.cache/probespec`.
+/// `~/.cache/probespec`; a variable set empty counts as unset, as in scripts/fetch-model.sh (and the XDG
+/// specification).
 pub fn default_model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("PROBESPEC_MODEL_DIR") {
+    let set = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+    if let Some(d) = set("PROBESPEC_MODEL_DIR") {
         return PathBuf::from(d);
     }
-    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+    if let Some(d) = set("XDG_CACHE_HOME") {
         return PathBuf::from(d).join("probespec");
     }
     let home = std::env::var_os("HOME")
