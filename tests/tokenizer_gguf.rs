@@ -18,22 +18,9 @@ use std::path::PathBuf;
 use candle_core::quantized::gguf_file::{Content, Value};
 use probespec::tokenizer::{Message, StreamDecoder, TemplateVars, TextTokenizer};
 
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-
-/// $PROBESPEC_MODEL_DIR, else ${XDG_CACHE_HOME:-~/.cache}/probespec (as scripts/fetch-model.sh).
+/// Where scripts/fetch-model.sh puts the default model (the binary's own rule).
 fn model_path() -> PathBuf {
-    let dir = match std::env::var_os("PROBESPEC_MODEL_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            let cache = std::env::var_os("XDG_CACHE_HOME")
-                .map(PathBuf::from)
-                .unwrap_or_else(|| {
-                    PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache")
-                });
-            cache.join("probespec")
-        }
-    };
-    dir.join(MODEL_FILE)
+    probespec::model::load::default_model_path()
 }
 
 /// The GGUF's metadata; fails (never skips) when the model has not been fetched.
