@@ -128,8 +128,8 @@ impl Isa {
     }
 }
 
-/// The cap [`ISA_ENV`] sets: `Ok(None)` when it is unset or empty; an error, naming the choices, for a name
-/// that is none of them or a variant this CPU lacks.
+/// The cap [`ISA_ENV`] sets: `Ok(None)` when it is unset or empty; an error, naming the choices, for a
+/// name that is none of them or a variant this CPU lacks.
 pub fn ceiling_from_env() -> Result<Option<Isa>, String> {
     let name = std::env::var(ISA_ENV).unwrap_or_default();
     if name.is_empty() {

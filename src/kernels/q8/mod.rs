@@ -71,8 +71,8 @@
 //! `matmul_q4_1_q8`, `matmul_q8_0_q8`, `matmul_q4k_q8`, `matmul_q5k_q8`, `matmul_q6k_q8` in
 //! `portable.rs` (which reads the format at run time instead), `avx2.rs` (modules `avx2` and `avxvnni`),
 //! `avx512.rs` and, on aarch64, `neon.rs` (modules `neon` and `neondot`: one group-block's four outputs
-//! at a time, every row, the same tile for every format). What each runs ("g": groups of 16 outputs a tile, at up to that many rows; the
-//! rules and their reasons are in `plan.rs`):
+//! at a time, every row, the same tile for every format). What each runs ("g": groups of 16 outputs a
+//! tile, at up to that many rows; the rules and their reasons are in `plan.rs`):
 //!
 //! | format | portable | AVX2 | AVX-VNNI | AVX-512 VNNI |
 //! |---|---|---|---|---|

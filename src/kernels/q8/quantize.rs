@@ -154,8 +154,9 @@ impl Blocks<'_> {
     }
 }
 
-/// [`quantize_blocks`] on the widest vectors the CPU has ([`Width::best`](crate::kernels::attention::Width::best), detected once), written out
-/// for AVX-512 and AVX2 ([`quantize_blocks_avx512`], [`quantize_blocks_avx2`]) and aarch64's NEON: the compiler's
+/// [`quantize_blocks`] on the widest vectors the CPU has
+/// ([`Width::best`](crate::kernels::attention::Width::best), detected once), written out for AVX-512 and
+/// AVX2 ([`quantize_blocks_avx512`], [`quantize_blocks_avx2`]) and aarch64's NEON: the compiler's
 /// vectorisation of the portable loop was slow enough to show in a prefill and in decoding. The same
 /// IEEE and integer operations on every path: the same bits (tested).
 pub(super) fn quantize_blocks_with(x: &[f32], out: Blocks) {
@@ -179,9 +180,10 @@ pub(super) fn quantize_blocks_with(x: &[f32], out: Blocks) {
     quantize_blocks(x, out);
 }
 
-/// [`quantize_blocks`] in NEON, a block of 32 values as eight vectors, step for step as the AVX2 path: the largest magnitude as an integer maximum of the bits, `v · (1/d)` then
-/// `+ ROUND_MAGIC` (two roundings), the integers narrowed to their low bytes without saturation (as
-/// `as i8`), and the sums wrapping in integers.
+/// [`quantize_blocks`] in NEON, a block of 32 values as eight vectors, step for step as the AVX2 path:
+/// the largest magnitude as an integer maximum of the bits, `v · (1/d)` then `+ ROUND_MAGIC` (two
+/// roundings), the integers narrowed to their low bytes without saturation (as `as i8`), and the sums
+/// wrapping in integers.
 ///
 /// # Safety
 /// NEON (every aarch64 CPU).
